@@ -1,0 +1,36 @@
+"""graphamp: autocast as a compiler pass.
+
+``graphamp.convert`` captures a model as a pre-dispatch ATen graph, inserts the casts eager
+``torch.autocast`` would make, prunes redundant ones and returns an inspectable module that runs
+in mixed precision with no runtime autocast.
+"""
+
+from graphamp.config import Config
+from graphamp.convert import convert
+from graphamp.emit import AmpModule
+from graphamp.errors import (
+    BannedOpError,
+    CaptureError,
+    GraphampError,
+    InputMismatchError,
+    PolicyDriftError,
+    PromoteTypeError,
+)
+from graphamp.policy import Category, Policy, get_policy
+
+__all__ = [
+    "AmpModule",
+    "BannedOpError",
+    "CaptureError",
+    "Category",
+    "Config",
+    "GraphampError",
+    "InputMismatchError",
+    "Policy",
+    "PolicyDriftError",
+    "PromoteTypeError",
+    "convert",
+    "get_policy",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,93 @@
+"""The user-facing configuration of a conversion."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from graphamp.policy import Category, op_key
+
+__all__ = ["Config"]
+
+
+def _normalize_op(op: object) -> str:
+    if isinstance(op, torch._ops.OpOverload):
+        return op_key(op)
+    if isinstance(op, str):
+        name = op.removeprefix("aten::").removeprefix("aten.")
+        name = name.removesuffix(".default")
+        packet_name, _, overload = name.partition(".")
+        packet = getattr(torch.ops.aten, packet_name, None)
+        if packet is None or (overload and overload not in packet.overloads()):
+            raise ValueError(
+                f"Config.op_overrides: {op!r} is not an ATen overload; write it as in the policy "
+                "tables, e.g. 'linear', 'softmax.int', 'conv2d.padding', or pass torch.ops.aten.X.Y"
+            )
+        return name
+    raise TypeError(
+        f"Config.op_overrides keys must be str or torch.ops.aten overloads, got {type(op).__name__}"
+    )
+
+
+def _normalize_category(value: object) -> Category | None:
+    if value is None or isinstance(value, Category):
+        return value
+    try:
+        return Category(value)
+    except ValueError:
+        allowed = ", ".join(repr(c.value) for c in Category if c is not Category.BANNED)
+        raise ValueError(
+            f"Config.op_overrides values must be one of {allowed} or None (not autocast), got {value!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Config:
+    """Overrides on top of autocast's own policy.
+
+    >>> cfg = Config(op_overrides={"softmax.int": "fp32"}, fp32_modules=("encoder.layer.0.*", nn.LayerNorm))
+    >>> assert cfg.op_overrides["softmax.int"] is Category.FP32
+    """
+
+    # ATen op -> category to force ("fp32", "lower_precision_fp", ...) or None to take the op
+    # off autocast's lists. Keys: "softmax.int"-style names or torch.ops.aten overloads.
+    op_overrides: Mapping[str, Category | None] = field(default_factory=dict)
+    # Submodules whose ops all run in float32 (eligible inputs cast up): qualified-name globs
+    # such as "encoder.layer.*.attention", or nn.Module subclasses such as nn.LayerNorm.
+    fp32_modules: tuple[str | type[nn.Module], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op_overrides, Mapping):
+            raise TypeError("Config.op_overrides must be a mapping from op to category")
+        overrides = {_normalize_op(k): _normalize_category(v) for k, v in self.op_overrides.items()}
+        object.__setattr__(self, "op_overrides", MappingProxyType(overrides))
+        modules = (self.fp32_modules,) if isinstance(self.fp32_modules, (str, type)) else tuple(self.fp32_modules)
+        for m in modules:
+            if not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, nn.Module))):
+                raise TypeError(
+                    f"Config.fp32_modules entries must be qualified-name globs or nn.Module subclasses, got {m!r}"
+                )
+        object.__setattr__(self, "fp32_modules", modules)
+
+    @property
+    def is_default(self) -> bool:
+        return not self.op_overrides and not self.fp32_modules
+
+    def keeps_fp32(self, module_stack: Mapping[str, tuple[str, object]] | None) -> str | None:
+        """The first module on ``module_stack`` (a node's ``nn_module_stack``) kept in fp32, if any."""
+        if not self.fp32_modules or not module_stack:
+            return None
+        for path, type_ in module_stack.values():
+            type_name = type_ if isinstance(type_, str) else f"{type_.__module__}.{type_.__qualname__}"
+            for m in self.fp32_modules:
+                if isinstance(m, str):
+                    if path and fnmatch.fnmatchcase(path, m):
+                        return path
+                elif type_name == f"{m.__module__}.{m.__qualname__}":
+                    return path or "<root>"
+        return None

@@ -1,0 +1,226 @@
+"""The module graphamp returns: a GraphModule with explicit casts and no runtime autocast."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
+
+from graphamp.capture import ambient_autocast
+from graphamp.config import Config
+from graphamp.errors import InputMismatchError
+from graphamp.passes._infra import cast_source, is_graphamp_cast, short_dtype, tensor_dtype
+from graphamp.passes.inline_regions import set_grad_enabled
+from graphamp.policy import Policy
+
+__all__ = ["AmpModule", "AmpInfo", "InputGuard", "emit"]
+
+_GUARD = "_graphamp_guard"
+
+
+@dataclass(frozen=True)
+class AmpInfo:
+    """What a converted module was converted for."""
+
+    device_type: str
+    dtype: torch.dtype
+    mode: str
+    training: bool
+    config: Config
+
+
+class InputGuard(nn.Module):
+    """Checks that inputs match what the graph was converted for: dtype, device, rank, sizes.
+
+    Dims that export kept symbolic may vary within their range; other dims, and every dtype,
+    are fixed, because the casts were decided for them.
+    """
+
+    def __init__(self, names: list[str], specs: list[tuple | None], ranges: dict[str, tuple[int, int | None]]) -> None:
+        super().__init__()
+        self.names = names
+        self.specs = specs
+        self.ranges = ranges
+
+    def forward(self, *inputs: Any) -> None:
+        bound: dict[str, int] = {}
+        for name, spec, value in zip(self.names, self.specs, inputs):
+            if spec is None:
+                continue
+            dtype, device_type, dims = spec
+            if not isinstance(value, torch.Tensor):
+                raise InputMismatchError(f"input {name!r}: expected a tensor, got {type(value).__name__}")
+            if value.dtype != dtype or value.device.type != device_type or value.dim() != len(dims):
+                raise InputMismatchError(
+                    f"input {name!r} is {value.dtype} on {value.device.type} with {value.dim()} dims, but the "
+                    f"graph was converted for {dtype} on {device_type} with {len(dims)} dims; the casts depend "
+                    "on it. Way out: call graphamp.convert again with an example input like this one."
+                )
+            for i, (dim, size) in enumerate(zip(dims, value.shape)):
+                if isinstance(dim, int):
+                    if size != dim:
+                        raise InputMismatchError(
+                            f"input {name!r} dim {i} is {size}, but the converted graph fixed it to {dim} "
+                            "(the model's code pins it). Way out: convert again with an example of this shape."
+                        )
+                elif dim in self.ranges:
+                    lo, hi = self.ranges[dim]
+                    if bound.setdefault(dim, size) != size:
+                        raise InputMismatchError(
+                            f"input {name!r} dim {i} is {size}, but another input gave {bound[dim]} for the "
+                            f"same size {dim}. Way out: pass consistent sizes."
+                        )
+                    if size < lo or (hi is not None and size > hi):
+                        raise InputMismatchError(
+                            f"input {name!r} dim {i} is {size}, outside the range [{lo}, {hi or 'inf'}] the "
+                            "model's code allows for it. Way out: convert again with an example of this shape."
+                        )
+
+
+def _guard_from(gm: GraphModule) -> InputGuard:
+    names, specs = [], []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        names.append(node.name)
+        if isinstance(val, torch.Tensor):
+            dims = [_dim_spec(d) for d in val.shape]
+            specs.append((val.dtype, val.device.type, dims))
+        else:
+            specs.append(None)
+    ranges = {}
+    for sym, vr in gm.meta.get("range_constraints", {}).items():
+        ranges[str(sym)] = (_bound(vr.lower) or 0, _bound(vr.upper))
+    return InputGuard(names, specs, ranges)
+
+
+def _bound(value: Any) -> int | None:
+    """An integer range bound, or None for infinity (sympy's and torch's int_oo)."""
+    return int(value) if getattr(value, "is_Integer", False) else None
+
+
+def _dim_spec(d: int | torch.SymInt) -> int | str:
+    """A static size, or the name (or expression) of a symbolic one."""
+    if isinstance(d, int):
+        return d
+    expr = d.node.expr
+    return int(expr) if expr.is_number else str(expr)
+
+
+class _AmpTracer(torch.fx.Tracer):
+    """Re-traces a saved AmpModule's code, keeping graphamp's grad-mode calls as nodes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("autowrap_functions", (set_grad_enabled,))
+        super().__init__(*args, **kwargs)
+
+
+def _rebuild(body: dict[str, Any], import_block: str) -> AmpModule:
+    forward = _forward_from_src(import_block + (body.get("_code") or body["code"]), {})
+    return _deserialize_graph_module(forward, body, graph_module_cls=AmpModule)
+
+
+class AmpModule(GraphModule):
+    """A model converted by :func:`graphamp.convert`.
+
+    Its graph (``print(m.code)``) holds every cast explicitly, so it runs with no runtime autocast;
+    an ambient ``torch.autocast`` around a call is switched off for the policy's device so the
+    policy is never applied twice. Parameters and buffers are the original model's objects.
+    """
+
+    @property
+    def graphamp_info(self) -> AmpInfo:
+        return self.__dict__["_graphamp"]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        info = self.__dict__.get("_graphamp")
+        if info is not None and torch.is_autocast_enabled(info.device_type):
+            with ambient_autocast(info.device_type, info.dtype, enabled=False):
+                return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> AmpModule:
+        info = self.__dict__.get("_graphamp")
+        if info is not None and bool(mode) != info.training:
+            captured = "training" if info.training else "eval"
+            raise RuntimeError(
+                f"this module was converted in {captured} mode, and dropout and batch-norm behaviour "
+                f"is part of its graph. Way out: call model.{'eval' if info.training else 'train'}() "
+                "on the original model and graphamp.convert it again."
+            )
+        return super().train(mode)
+
+    def __reduce__(self) -> tuple:
+        _, (body, import_block) = super().__reduce__()
+        body["_tracer_cls"] = _AmpTracer
+        return (_rebuild, (body, import_block))
+
+    def cast_summary(self) -> dict[str, Any]:
+        """Counts of the casts in the graph, by (from, to) dtype, and of ops by category."""
+        casts: collections.Counter = collections.Counter()
+        categories: collections.Counter = collections.Counter()
+        for node in self.graph.nodes:
+            src = cast_source(node)
+            if src is not None and is_graphamp_cast(node):
+                casts[f"{short_dtype(tensor_dtype(src[0]))}->{short_dtype(src[1])}"] += 1
+            category = node.meta.get("graphamp", {}).get("category")
+            if category:
+                categories[category] += 1
+        return {"casts": sum(casts.values()), "by_dtype": dict(casts), "ops_by_category": dict(categories)}
+
+
+def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
+    *parents, name = path.split(".")
+    for p in parents:
+        if not hasattr(module, p):
+            module.add_module(p, nn.Module())
+        module = getattr(module, p)
+    return module, name
+
+
+def emit(gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: Config) -> AmpModule:
+    """Wrap the rewritten graph as an AmpModule whose state is the model's own parameters and buffers."""
+    graph = gm.graph
+    placeholders = graph.find_nodes(op="placeholder")
+    guard = _guard_from(gm)
+    gm.add_submodule(_GUARD, guard)
+    if placeholders:
+        with graph.inserting_after(placeholders[-1]):
+            graph.call_module(_GUARD, tuple(placeholders))
+    root = collections.OrderedDict((n.target, _fetch(gm, n.target)) for n in graph.find_nodes(op="get_attr"))
+    root[_GUARD] = guard
+    amp = AmpModule(root, graph, class_name=type(model).__name__ + "Amp")
+    amp.meta.update(gm.meta)
+    state = model.state_dict(keep_vars=True)
+    persistent = set(state)
+    for path, buf in model.named_buffers(remove_duplicate=False):
+        if path not in persistent:
+            state[path] = buf
+    for path, value in state.items():
+        owner, name = _owner(amp, path)
+        if name in owner._parameters or name in owner._buffers:
+            continue
+        if isinstance(value, nn.Parameter):
+            owner.register_parameter(name, value)
+        else:
+            owner.register_buffer(name, value)
+    # Constants lifted by export and non-persistent buffers stay out of state_dict, as in the model.
+    for path, _ in list(amp.named_buffers(remove_duplicate=False)):
+        if path not in persistent:
+            owner, name = _owner(amp, path)
+            owner._non_persistent_buffers_set.add(name)
+    amp.__dict__["_graphamp"] = AmpInfo(policy.device_type, policy.dtype, mode, model.training, config)
+    nn.Module.train(amp, model.training)
+    amp.recompile()
+    return amp
+
+
+def _fetch(gm: GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,32 @@
+"""Typed errors. Each names the problem and the way out."""
+
+from __future__ import annotations
+
+__all__ = ["GraphampError", "CaptureError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError"]
+
+
+class GraphampError(Exception):
+    """Base class of every error graphamp raises on purpose."""
+
+
+class CaptureError(GraphampError, RuntimeError):
+    """The model could not be captured as a graph."""
+
+
+class BannedOpError(GraphampError, RuntimeError):
+    """An op that autocast bans (``binary_cross_entropy`` under CUDA autocast) is in the graph.
+
+    It is a ``RuntimeError``, as eager autocast's own error is.
+    """
+
+
+class PromoteTypeError(GraphampError, RuntimeError):
+    """A promote-list op sees two different lower-precision dtypes, which eager autocast rejects."""
+
+
+class PolicyDriftError(GraphampError, RuntimeError):
+    """In exact mode, a node's dtype disagrees with what eager autocast gave it during capture."""
+
+
+class InputMismatchError(GraphampError, ValueError):
+    """A converted module was called with inputs its graph was not converted for."""

@@ -1,0 +1,99 @@
+"""Helpers shared by the passes: fake-tensor metadata, cast nodes, eligibility."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Node
+from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+GRAPHAMP = "graphamp"
+CAST_TARGET = aten._to_copy.default
+
+
+def short_dtype(dtype: torch.dtype | None) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}.get(dtype, str(dtype))
+
+
+def fake_mode_of(gm: GraphModule) -> FakeTensorMode:
+    vals = [n.meta.get("val") for n in gm.graph.nodes]
+    mode = detect_fake_mode([v for v in pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)])
+    if mode is None:
+        raise RuntimeError("graphamp passes need node.meta['val'] fake tensors; capture the graph first")
+    return mode
+
+
+def val_of(arg: Any) -> Any:
+    """Replace every Node in ``arg`` by its fake value."""
+    return torch.fx.node.map_arg(arg, lambda n: n.meta.get("val"))
+
+
+def tensor_dtype(node: Any) -> torch.dtype | None:
+    if isinstance(node, Node):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.dtype
+    return None
+
+
+def dtypes_of(val: Any) -> tuple:
+    return tuple(v.dtype if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(val))
+
+
+def is_eligible(val: Any, device_type: str) -> bool:
+    """autocast_mode.h ``is_eligible``: floating, not float64, on the autocast device."""
+    return (
+        isinstance(val, torch.Tensor)
+        and val.device.type == device_type
+        and val.is_floating_point()
+        and val.dtype is not torch.float64
+    )
+
+
+def is_mutating(op: Any) -> bool:
+    """In-place and ``out=`` overloads write to an argument; autocast never touches them."""
+    return isinstance(op, torch._ops.OpOverload) and any(
+        a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments
+    )
+
+
+def is_graphamp_cast(node: Node) -> bool:
+    return node.op == "call_function" and node.meta.get(GRAPHAMP, {}).get("cast", False)
+
+
+def cast_source(node: Node) -> tuple[Node, torch.dtype] | None:
+    """(source, dtype) if ``node`` converts one tensor's dtype and nothing else, else None."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+        return None
+    if node.target is CAST_TARGET and set(node.kwargs) == {"dtype"} and len(node.args) == 1:
+        return node.args[0], node.kwargs["dtype"]
+    if node.target is aten.to.dtype and len(node.args) == 2 and not any(node.kwargs.get(k) for k in ("copy", "non_blocking")) and node.kwargs.get("memory_format") is None:
+        return node.args[0], node.args[1]
+    return None
+
+
+def has_mutating_user(node: Node) -> bool:
+    return any(is_mutating(u.target) for u in node.users)
+
+
+def recompute_val(node: Node, fake_mode: FakeTensorMode) -> Any:
+    """Run ``node`` on its inputs' fake values to refresh ``meta['val']`` after an edit."""
+    if node.target is operator.getitem:
+        return operator.getitem(val_of(node.args[0]), node.args[1])
+    args, kwargs = val_of(node.args), val_of(node.kwargs)
+    with fake_mode:
+        return node.target(*args, **kwargs)
+
+
+def insert_cast(graph: torch.fx.Graph, src: Node, dtype: torch.dtype, before: Node, fake_mode: FakeTensorMode, reason: str) -> Node:
+    with graph.inserting_before(before):
+        cast = graph.create_node("call_function", CAST_TARGET, (src,), {"dtype": dtype}, name=f"{src.name}_{short_dtype(dtype)}")
+    cast.meta.update({k: v for k, v in before.meta.items() if k in ("nn_module_stack", "stack_trace", "graphamp_region")})
+    cast.meta["val"] = recompute_val(cast, fake_mode)
+    cast.meta[GRAPHAMP] = {"cast": True, "reason": reason}
+    return cast

@@ -1,0 +1,43 @@
+"""Check every op's output dtype against the one eager autocast produced during capture.
+
+Capture runs under the same autocast as eager, so ``meta["graphamp_captured"]`` holds eager's
+dtypes. After the cast passes, an exact conversion with the built-in policy must agree on every
+node; a disagreement means the tables drifted from the installed torch.
+"""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule
+from torch.fx.passes.infra.pass_base import PassResult
+
+from graphamp.errors import PolicyDriftError
+from graphamp.passes._infra import dtypes_of
+
+__all__ = ["CAPTURED", "record_dtypes", "check_dtypes"]
+
+CAPTURED = "graphamp_captured"
+
+
+def record_dtypes(gm: GraphModule) -> PassResult:
+    """Remember each node's captured (eager-autocast) output dtypes in ``meta["graphamp_captured"]``."""
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta[CAPTURED] = dtypes_of(node.meta["val"])
+    return PassResult(gm, False)
+
+
+def check_dtypes(gm: GraphModule) -> PassResult:
+    """Raise PolicyDriftError at the first node whose dtype differs from eager autocast's."""
+    for node in gm.graph.nodes:
+        if CAPTURED not in node.meta or "val" not in node.meta:
+            continue
+        now = dtypes_of(node.meta["val"])
+        if now != node.meta[CAPTURED]:
+            info = node.meta.get("graphamp", {})
+            raise PolicyDriftError(
+                f"node {node.name} ({node.format_node()}) has dtypes {now} after graphamp's casts, but "
+                f"eager autocast gave {node.meta[CAPTURED]} (graphamp's reason: {info.get('reason', 'n/a')}). "
+                "graphamp's op lists disagree with the installed torch; please report it. Way out: "
+                "pin the op with Config(op_overrides=...), which also turns this check off."
+            )
+    return PassResult(gm, False)

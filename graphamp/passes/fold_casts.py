@@ -1,0 +1,51 @@
+"""Remove casts that cannot change a value: same-dtype casts and low -> fp32 -> low round trips.
+
+fp16 -> fp32 -> fp16 and bf16 -> fp32 -> bf16 reproduce every non-NaN bit pattern, so the round
+trip is dropped. fp32 -> low -> fp32 rounds, so it is always kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
+
+from graphamp.passes._infra import cast_source, has_mutating_user, is_graphamp_cast, tensor_dtype
+
+__all__ = ["fold_casts"]
+
+_LOW = (torch.float16, torch.bfloat16)
+_EXACT_UP = (torch.float32, torch.float64)
+
+
+def _folded_source(node: Node) -> Node | None:
+    """The value ``node`` can be replaced by, if its cast is a no-op."""
+    cast = cast_source(node)
+    if cast is None or has_mutating_user(node):
+        return None
+    src, dtype = cast
+    if tensor_dtype(src) == dtype and (is_graphamp_cast(node) or node.target is torch.ops.aten.to.dtype):
+        return src  # to.dtype to the same dtype already returns its input
+    inner = cast_source(src)
+    if inner is not None and dtype in _LOW and inner[1] in _EXACT_UP and tensor_dtype(inner[0]) == dtype:
+        return inner[0]
+    return None
+
+
+def fold_casts(gm: GraphModule) -> PassResult:
+    """Replace no-op casts by their source and drop casts left without users."""
+    modified = False
+    for node in list(gm.graph.nodes):
+        src = _folded_source(node)
+        if src is not None:
+            node.replace_all_uses_with(src)
+            gm.graph.erase_node(node)
+            modified = True
+    for node in reversed(list(gm.graph.nodes)):
+        if cast_source(node) is not None and not node.users:
+            gm.graph.erase_node(node)
+            modified = True
+    if modified:
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(gm, modified)

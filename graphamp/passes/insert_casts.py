@@ -1,0 +1,366 @@
+"""Insert explicit casts so that every ATen op sees the dtypes eager autocast would give it.
+
+The walk visits nodes in order, so each node's inputs already carry their final dtypes (re-derived
+on fake tensors after every edit, ``getitem`` outputs included). For each op it applies the rules of
+``autocast_mode.h``:
+
+* eligibility: a tensor is cast only if floating, not float64, and on the policy's device;
+* lower_precision_fp / fp32: cast every eligible Tensor, Tensor? and Tensor[] argument whose dtype
+  differs from the target;
+* fp32_set_opt_dtype: if argument 0 is eligible and ``dtype`` is None, pass ``dtype=torch.float32``;
+* fp32_append_dtype: redispatch ``norm`` to its dtype-taking overload;
+* promote: float32 wins over the low dtype, float64 arguments are ignored;
+* banned: raise, as eager does;
+* in-place and ``out=`` overloads are never touched;
+* a CompositeImplicitAutograd op that autocast does not list runs its decomposition with autocast
+  still on, so when that decomposition holds listed ops the node is replaced by it.
+
+Each op node gets ``node.meta["graphamp"] = {"category", "dtype", "reason"}``; each cast records why.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.infra.pass_base import PassResult
+from torch.utils import _pytree as pytree
+
+from graphamp.config import Config
+from graphamp.errors import BannedOpError, PromoteTypeError
+from graphamp.passes._infra import (
+    GRAPHAMP,
+    dtypes_of,
+    fake_mode_of,
+    insert_cast,
+    is_eligible,
+    is_mutating,
+    recompute_val,
+    val_of,
+)
+from graphamp.passes.inline_regions import AutocastFrame, region_of
+from graphamp.policy import APPEND_DTYPE_TARGETS, Category, Policy, op_key
+
+__all__ = ["insert_casts"]
+
+_MAX_DECOMPOSITION_DEPTH = 6
+
+
+def _autocast_state(node: Node, policy: Policy) -> tuple[bool, torch.dtype]:
+    """(enabled, low dtype) for the policy's device at ``node``, from the regions around it."""
+    enabled, dtype = True, policy.dtype
+    for frame in region_of(node):
+        if isinstance(frame, AutocastFrame) and frame.device_type == policy.device_type:
+            enabled = frame.enabled
+            if frame.dtype is not None:
+                dtype = frame.dtype
+    return enabled, dtype
+
+
+def _tensor_kind(arg_type: torch._C.JitType) -> str | None:
+    """'tensor' for Tensor / Tensor?, 'list' for Tensor[]; autocast casts only these."""
+    if isinstance(arg_type, torch._C.OptionalType):
+        arg_type = arg_type.getElementType()
+    if isinstance(arg_type, torch._C.TensorType):
+        return "tensor"
+    if isinstance(arg_type, torch._C.ListType) and isinstance(arg_type.getElementType(), torch._C.TensorType):
+        return "list"
+    return None
+
+
+def _cast_slots(node: Node) -> list[tuple[str | int, int | None, Node]]:
+    """Every (arg position or kwarg name, list index, input node) autocast's cached_cast would see."""
+    schema = node.target._schema
+    slots = []
+    for i, sarg in enumerate(schema.arguments):
+        if sarg.kwarg_only or i >= len(node.args):
+            where: str | int = sarg.name
+            value = node.kwargs.get(sarg.name)
+        else:
+            where, value = i, node.args[i]
+        kind = _tensor_kind(sarg.type)
+        if kind == "tensor" and isinstance(value, Node):
+            slots.append((where, None, value))
+        elif kind == "list" and isinstance(value, (list, tuple)):
+            slots.extend((where, j, v) for j, v in enumerate(value) if isinstance(v, Node))
+    return slots
+
+
+def _replace_slot(node: Node, where: str | int, index: int | None, new: Node) -> None:
+    if isinstance(where, int):
+        args = list(node.args)
+        args[where] = new if index is None else _replace_in(args[where], index, new)
+        node.args = tuple(args)
+    else:
+        kwargs = dict(node.kwargs)
+        kwargs[where] = new if index is None else _replace_in(kwargs[where], index, new)
+        node.kwargs = kwargs
+
+
+def _replace_in(seq: list | tuple, index: int, new: Node) -> list:
+    out = list(seq)
+    out[index] = new
+    return out
+
+
+def _first_arg(node: Node) -> Any:
+    return val_of(node.args[0]) if node.args else None
+
+
+def _is_decomposable(op: torch._ops.OpOverload) -> bool:
+    # An op whose Autograd key has its own kernel redispatches below autocast; only pure
+    # CompositeImplicitAutograd ops run their decomposition with autocast still active.
+    name = op.name()
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd") and not (
+        torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd")
+    )
+
+
+class _Rewriter:
+    def __init__(self, gm: GraphModule, policy: Policy, config: Config) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.policy = policy
+        self.config = config
+        self.fake_mode = fake_mode_of(gm)
+        self.dirty: set[Node] = set()  # nodes whose dtypes changed since their consumers last saw them
+        self.not_relevant: set[tuple] = set()  # decomposition signatures known to hold no listed op
+        self.modified = False
+
+    def run(self) -> None:
+        node = next(iter(self.graph.nodes), None)
+        while node is not None:
+            node = self.visit(node)
+
+    def visit(self, node: Node) -> Node | None:
+        nxt = node.next if node.next is not self.graph._root else None
+        if node.op != "call_function":
+            return nxt
+        edited = False
+        if isinstance(node.target, torch._ops.OpOverload) and not is_mutating(node.target):
+            first_inlined = self.maybe_decompose(node)
+            if first_inlined is not None:
+                return first_inlined
+            edited = self.apply_policy(node)
+        if edited or any(isinstance(a, Node) and a in self.dirty for a in node.all_input_nodes):
+            old = dtypes_of(node.meta.get("val"))
+            node.meta["val"] = recompute_val(node, self.fake_mode)
+            if dtypes_of(node.meta["val"]) != old:
+                self.dirty.add(node)
+        return nxt
+
+    def category_of(self, node: Node) -> tuple[Category | None, torch.dtype, str]:
+        kept = self.config.keeps_fp32(node.meta.get("nn_module_stack"))
+        if kept is not None:
+            return Category.FP32, self.policy.dtype, f"inside {kept}, kept in fp32 by config"
+        enabled, low = _autocast_state(node, self.policy)
+        if not enabled:
+            return None, low, "autocast disabled by a region in forward"
+        key = op_key(node.target)
+        category = self.policy.category(key)
+        if category is None:
+            return None, low, "not on an autocast list"
+        source = "config override" if key in self.config.op_overrides else f"{self.policy.device_type} list"
+        return category, low, f"{category.value} ({source})"
+
+    def apply_policy(self, node: Node) -> bool:
+        category, low, reason = self.category_of(node)
+        node.meta.setdefault(GRAPHAMP, {}).update(
+            {"category": category and category.value, "dtype": None, "reason": reason}
+        )
+        if category is None:
+            return False
+        device = self.policy.device_type
+        slots = _cast_slots(node)
+        if category is Category.BANNED:
+            if any(val_of(n).device.type == device for _, _, n in slots if isinstance(val_of(n), torch.Tensor)):
+                raise BannedOpError(
+                    f"{node.target} at node {node.name} ({_where(node)}) is banned under {device} autocast: "
+                    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast. "
+                    "Way out: use torch.nn.functional.binary_cross_entropy_with_logits or "
+                    "torch.nn.BCEWithLogitsLoss, which combine the sigmoid and the loss and are safe, "
+                    "or keep the loss in fp32 with Config(op_overrides={'binary_cross_entropy': 'fp32'})."
+                )
+            return False
+        if category is Category.FP32_SET_OPT_DTYPE:
+            return self.set_opt_dtype(node, device)
+        if category is Category.FP32_APPEND_DTYPE:
+            return self.append_dtype(node, device)
+        if category is Category.LOWER_PRECISION_FP:
+            to_type = low
+        elif category is Category.FP32:
+            to_type = torch.float32
+        else:
+            to_type = self.promote_type(node, slots, low, device)
+        node.meta[GRAPHAMP]["dtype"] = to_type
+        edited = False
+        for where, index, src in slots:
+            val = val_of(src)
+            if is_eligible(val, device) and val.dtype != to_type:
+                cast = insert_cast(self.graph, src, to_type, node, self.fake_mode, f"{category.value} input of {node.name}")
+                _replace_slot(node, where, index, cast)
+                edited = True
+        self.modified |= edited
+        return edited
+
+    def promote_type(self, node: Node, slots: list, low: torch.dtype, device: str) -> torch.dtype:
+        current = low
+        for _, _, src in slots:
+            val = val_of(src)
+            if not (isinstance(val, torch.Tensor) and val.device.type == device and val.is_floating_point()):
+                continue
+            if val.dtype is torch.float64:
+                continue
+            if current is torch.float32 or val.dtype is torch.float32:
+                current = torch.float32
+            elif not (current is low and val.dtype is low):
+                raise PromoteTypeError(
+                    f"{node.target} at node {node.name} ({_where(node)}) mixes {val.dtype} with the "
+                    f"autocast dtype {low}; eager autocast rejects this too ('Unexpected floating "
+                    "ScalarType in at::autocast::prioritize'). Way out: cast the operands to one dtype first."
+                )
+        return current
+
+    def set_opt_dtype(self, node: Node, device: str) -> bool:
+        if not is_eligible(_first_arg(node), device):
+            return False
+        schema = node.target._schema
+        index = next(i for i, a in enumerate(schema.arguments) if a.name == "dtype")
+        if index < len(node.args):
+            if node.args[index] is not None:
+                return False
+            node.args = node.args[:index] + (torch.float32,) + node.args[index + 1 :]
+        elif node.kwargs.get("dtype") is not None:
+            return False
+        else:
+            node.kwargs = {**node.kwargs, "dtype": torch.float32}
+        node.meta[GRAPHAMP]["dtype"] = torch.float32
+        self.modified = True
+        return True
+
+    def append_dtype(self, node: Node, device: str) -> bool:
+        first = _first_arg(node)
+        out_type = torch.float32 if is_eligible(first, device) else first.dtype
+        old_schema = node.target._schema
+        target = getattr(torch.ops.aten.norm, APPEND_DTYPE_TARGETS[op_key(node.target)].split(".", 1)[1])
+        args = list(node.args)
+        # Fill the positional defaults the dtype overload has no defaults for (keepdim).
+        for i in range(len(args), len(old_schema.arguments)):
+            sarg = old_schema.arguments[i]
+            args.append(node.kwargs.get(sarg.name, sarg.default_value))
+        node.target = target
+        node.args = tuple(args)
+        node.kwargs = {"dtype": out_type}
+        node.meta[GRAPHAMP]["dtype"] = out_type
+        self.modified = True
+        return True
+
+    def maybe_decompose(self, node: Node) -> Node | None:
+        """Replace an unlisted composite by its decomposition when that holds autocast-relevant ops."""
+        op = node.target
+        if not _is_decomposable(op):
+            return None
+        category, _, _ = self.category_of(node)
+        enabled, _ = _autocast_state(node, self.policy)
+        if category is not None or not enabled or op_key(op) in self.config.op_overrides:
+            return None
+        if self.config.keeps_fp32(node.meta.get("nn_module_stack")) is not None:
+            return None
+        if not any(is_eligible(val_of(n), self.policy.device_type) for n in node.all_input_nodes):
+            return None
+        sub, leaves = self.trace_decomposition(op, node.args, node.kwargs)
+        if sub is None or not self.is_relevant(op, sub, 0):
+            return None
+        return self.inline(node, sub, leaves)
+
+    def trace_decomposition(self, op, args, kwargs) -> tuple[GraphModule | None, list]:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        positions = [i for i, a in enumerate(flat) if isinstance(a, Node)]
+        inputs = [flat[i].meta.get("val") for i in positions]
+
+        def decomposed(*vals):
+            filled = list(flat)
+            for i, v in zip(positions, vals):
+                filled[i] = v
+            a, k = pytree.tree_unflatten(filled, spec)
+            # Pre-dispatch tracing's torch-function mode would re-record `op` itself; calling the
+            # CompositeImplicitAutograd kernel without it records its children instead.
+            with torch._C.DisableTorchFunction():
+                return op.decompose(*a, **k)
+
+        try:
+            with self.fake_mode:
+                sub = make_fx(decomposed, pre_dispatch=True)(*inputs)
+        except Exception:
+            return None, []
+        return sub, [flat[i] for i in positions]
+
+    def is_relevant(self, op, sub: GraphModule, depth: int) -> bool:
+        key = (op, tuple((tuple(dtypes_of(n.meta.get("val"))), n.meta.get("val").dim() if isinstance(n.meta.get("val"), torch.Tensor) else None) for n in sub.graph.nodes if n.op == "placeholder"))
+        if key in self.not_relevant:
+            return False
+        for child in sub.graph.nodes:
+            if child.op != "call_function" or not isinstance(child.target, torch._ops.OpOverload):
+                continue
+            if child.target is op or is_mutating(child.target):
+                continue
+            if self.policy.category(op_key(child.target)) is not None:
+                return True
+            if depth < _MAX_DECOMPOSITION_DEPTH and _is_decomposable(child.target):
+                inner, _ = self.trace_decomposition(child.target, child.args, child.kwargs)
+                if inner is not None and self.is_relevant(child.target, inner, depth + 1):
+                    return True
+        self.not_relevant.add(key)
+        return False
+
+    def inline(self, node: Node, sub: GraphModule, leaves: list[Node]) -> Node | None:
+        after = node.next if node.next is not self.graph._root else None
+        env: dict[Node, Any] = {}
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        env.update(zip(placeholders, leaves))
+        first: Node | None = None
+        outputs: Any = None
+        keep = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "graphamp_region")}
+        with self.graph.inserting_before(node):
+            for n in sub.graph.nodes:
+                if n.op == "placeholder":
+                    continue
+                if n.op == "output":
+                    outputs = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
+                    continue
+                new = self.graph.node_copy(n, lambda a: env[a])
+                new.meta = {**keep, "val": n.meta.get("val"), GRAPHAMP: {"decomposed_from": node.name}}
+                env[n] = new
+                first = first or new
+        if isinstance(outputs, (list, tuple)):
+            for user in list(node.users):
+                assert user.target is operator.getitem, user.format_node()
+                user.replace_all_uses_with(outputs[user.args[1]])
+                self.graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(outputs)
+        self.graph.erase_node(node)
+        self.modified = True
+        return first or after
+
+
+def _where(node: Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path, type_ = list(stack.values())[-1]
+        type_name = type_ if isinstance(type_, str) else type_.__qualname__
+        return f"in module {path or '<root>'} ({type_name.rsplit('.', 1)[-1]})"
+    return "at the top level of forward"
+
+
+def insert_casts(gm: GraphModule, policy: Policy, config: Config | None = None) -> PassResult:
+    """Insert explicit casts so every op receives the dtypes eager autocast would give it."""
+    rewriter = _Rewriter(gm, policy, config or Config())
+    rewriter.run()
+    if rewriter.modified:
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(gm, rewriter.modified)
