@@ -14,7 +14,7 @@ from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
 from graphamp.capture import ambient_autocast
 from graphamp.config import Config
 from graphamp.errors import InputMismatchError
-from graphamp.passes._infra import cast_source, is_graphamp_cast, short_dtype, tensor_dtype
+from graphamp.passes._infra import attr_of, cast_source, is_graphamp_cast, short_dtype, tensor_dtype
 from graphamp.passes.inline_regions import set_grad_enabled
 from graphamp.policy import Policy
 
@@ -66,7 +66,8 @@ class InputGuard(nn.Module):
                     if size != dim:
                         raise InputMismatchError(
                             f"input {name!r} dim {i} is {size}, but the converted graph fixed it to {dim} "
-                            "(the model's code pins it). Way out: convert again with an example of this shape."
+                            "(torch.export specialized it while tracing the model's code). Way out: "
+                            "convert again with an example of this shape."
                         )
                 elif dim in self.ranges:
                     lo, hi = self.ranges[dim]
@@ -191,7 +192,7 @@ def emit(gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: C
     if placeholders:
         with graph.inserting_after(placeholders[-1]):
             graph.call_module(_GUARD, tuple(placeholders))
-    root = collections.OrderedDict((n.target, _fetch(gm, n.target)) for n in graph.find_nodes(op="get_attr"))
+    root = collections.OrderedDict((n.target, attr_of(gm, n.target)) for n in graph.find_nodes(op="get_attr"))
     root[_GUARD] = guard
     amp = AmpModule(root, graph, class_name=type(model).__name__ + "Amp")
     amp.meta.update(gm.meta)
@@ -217,10 +218,3 @@ def emit(gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: C
     nn.Module.train(amp, model.training)
     amp.recompile()
     return amp
-
-
-def _fetch(gm: GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

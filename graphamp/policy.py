@@ -150,6 +150,19 @@ _EFFECTIVE = {
     ),
 }
 
+# Unregistered composites whose decomposition depends on run-time facts (oneDNN is skipped for
+# symbolic sizes, fp16 oneDNN only without grad, loops unroll over the sequence), so tracing it
+# would not reproduce eager's kernels. graphamp treats these as listed: their eligible inputs are
+# cast and the op runs whole, choosing its kernels at run time from all-low inputs exactly as the
+# decomposition under eager autocast does (its listed children cast the same values).
+_OPAQUE = {
+    "cpu": _table(
+        (frozenset({"lstm.input", "lstm.data", "gru.input", "gru.data", "rnn_tanh.input",
+                    "rnn_tanh.data", "rnn_relu.input", "rnn_relu.data"}), _L),
+    ),
+    "cuda": _table(),
+}
+
 # Redispatch targets of fp32_append_dtype ops (autocast_mode.cpp, KERNEL_DIFFERENT_REDISPATCH_SIGNATURE).
 APPEND_DTYPE_TARGETS = MappingProxyType({
     "norm.Scalar": "norm.ScalarOpt_dtype",
@@ -176,23 +189,28 @@ class Policy:
     dtype: torch.dtype
     # Registered autocast ops -> category (the lists of autocast_mode.cpp).
     ops: Mapping[str, Category] = field(repr=False)
-    # Unregistered composites that behave as a category under eager autocast (informative).
+    # Unregistered composites that behave as a category under eager autocast; graphamp reaches
+    # the same result by decomposing them (informative, checked against eager by the tests).
     effective: Mapping[str, Category] = field(repr=False)
+    # Unregistered composites graphamp treats as listed, without decomposing them.
+    opaque: Mapping[str, Category] = field(repr=False, default_factory=dict)
 
     def category(self, key: str) -> Category | None:
-        return self.ops.get(key)
+        found = self.ops.get(key)
+        return found if found is not None else self.opaque.get(key)
 
     def with_overrides(self, overrides: Mapping[str, Category | None]) -> Policy:
         """A copy whose op lists have ``overrides`` applied (``None`` removes an op)."""
         if not overrides:
             return self
-        ops = dict(self.ops)
+        ops, opaque = dict(self.ops), dict(self.opaque)
         for key, category in overrides.items():
+            opaque.pop(key, None)
             if category is None:
                 ops.pop(key, None)
             else:
                 ops[key] = category
-        return Policy(self.device_type, self.dtype, MappingProxyType(ops), self.effective)
+        return Policy(self.device_type, self.dtype, MappingProxyType(ops), self.effective, MappingProxyType(opaque))
 
 
 def get_policy(device_type: str, dtype: torch.dtype) -> Policy:
@@ -201,4 +219,4 @@ def get_policy(device_type: str, dtype: torch.dtype) -> Policy:
         raise ValueError(f"no autocast policy for device_type={device_type!r}; use one of {DEVICE_TYPES}")
     if dtype not in LOW_DTYPES:
         raise ValueError(f"no autocast policy for dtype={dtype}; use torch.bfloat16 or torch.float16")
-    return Policy(device_type, dtype, _REGISTERED[device_type], _EFFECTIVE[device_type])
+    return Policy(device_type, dtype, _REGISTERED[device_type], _EFFECTIVE[device_type], _OPAQUE[device_type])

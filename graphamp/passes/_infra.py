@@ -6,10 +6,14 @@ import operator
 from typing import Any
 
 import torch
+from torch import nn
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
+
+from graphamp.passes.inline_regions import GradFrame, region_of
 
 aten = torch.ops.aten
 GRAPHAMP = "graphamp"
@@ -86,7 +90,8 @@ def recompute_val(node: Node, fake_mode: FakeTensorMode) -> Any:
     if node.target is operator.getitem:
         return operator.getitem(val_of(node.args[0]), node.args[1])
     args, kwargs = val_of(node.args), val_of(node.kwargs)
-    with fake_mode:
+    # The python dispatcher routes symbolic shapes through the decompositions export used.
+    with fake_mode, enable_python_dispatcher():
         return node.target(*args, **kwargs)
 
 
@@ -97,3 +102,35 @@ def insert_cast(graph: torch.fx.Graph, src: Node, dtype: torch.dtype, before: No
     cast.meta["val"] = recompute_val(cast, fake_mode)
     cast.meta[GRAPHAMP] = {"cast": True, "reason": reason}
     return cast
+
+
+def attr_of(gm: GraphModule, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def in_no_grad(node: Node) -> bool:
+    frames = [f for f in region_of(node) if isinstance(f, GradFrame)]
+    return bool(frames) and not frames[-1].enabled
+
+
+def grad_free_nodes(gm: GraphModule, *, no_grad: bool = False) -> set[Node]:
+    """Nodes whose value can never require grad, whatever inputs the module is called with."""
+    if no_grad:
+        return set(gm.graph.nodes)
+    free: set[Node] = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+                free.add(node)
+        elif node.op == "get_attr":
+            attr = attr_of(gm, node.target)
+            if not (isinstance(attr, nn.Parameter) and attr.requires_grad):
+                free.add(node)
+        elif node.op == "call_function":
+            if in_no_grad(node) or all(a in free for a in node.all_input_nodes):
+                free.add(node)
+    return free

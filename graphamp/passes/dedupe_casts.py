@@ -1,29 +1,54 @@
-"""Keep one cast per (value, dtype): eager autocast recasts an activation for every consumer."""
+"""Keep one cast per (value, dtype) wherever sharing it cannot change a result.
+
+Sharing a cast changes the backward pass: autograd then sums the consumers' gradients in the
+low dtype before casting up once, where separate casts sum them in fp32. So exact mode shares:
+
+* casts of parameters that require grad, fp32 -> low: eager autocast caches exactly these
+  (``cached_cast`` in autocast_mode.cpp), so it shares them too, and gradients match only if we do;
+* casts of values that can never require grad (buffers, constants, integer inputs and what is
+  computed from them alone, anything under ``no_grad``): their backward does not exist.
+
+Activations that may carry gradients keep one cast per consumer, as eager does.
+"""
 
 from __future__ import annotations
 
+import torch
+from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphamp.passes._infra import has_mutating_user, is_graphamp_cast
-from graphamp.passes.inline_regions import GradFrame, region_of
+from graphamp.passes._infra import attr_of, grad_free_nodes, has_mutating_user, in_no_grad, is_graphamp_cast
 
 __all__ = ["dedupe_casts"]
 
-
-def _grad_frames(node: Node) -> tuple:
-    # A cast made under no_grad carries no autograd history; it must not serve a consumer outside.
-    return tuple(f for f in region_of(node) if isinstance(f, GradFrame))
+_LOW = (torch.float16, torch.bfloat16)
 
 
-def dedupe_casts(gm: GraphModule) -> PassResult:
-    """Merge graphamp casts of the same value to the same dtype into the first one."""
+def _is_cached_param_cast(gm: GraphModule, cast: Node) -> bool:
+    src = cast.args[0]
+    if src.op != "get_attr" or cast.kwargs["dtype"] not in _LOW:
+        return False
+    attr = attr_of(gm, src.target)
+    return isinstance(attr, nn.Parameter) and attr.requires_grad and attr.dtype is torch.float32
+
+
+def dedupe_casts(gm: GraphModule, *, no_grad: bool = False) -> PassResult:
+    """Merge casts of one value to one dtype where eager shares them or no gradient can tell.
+
+    ``no_grad=True`` declares the module will never be differentiated, so every cast is shared.
+    """
+    free = grad_free_nodes(gm, no_grad=no_grad)
     first: dict[tuple, Node] = {}
     modified = False
     for node in list(gm.graph.nodes):
         if not is_graphamp_cast(node) or has_mutating_user(node):
             continue
-        key = (node.args[0], node.kwargs["dtype"], _grad_frames(node))
+        src = node.args[0]
+        if not (src in free or _is_cached_param_cast(gm, node)):
+            continue
+        # A cast made under no_grad carries no autograd history; it must not serve a consumer outside.
+        key = (src, node.kwargs["dtype"], in_no_grad(node))
         kept = first.setdefault(key, node)
         if kept is not node:
             node.replace_all_uses_with(kept)

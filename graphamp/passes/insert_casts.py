@@ -163,7 +163,12 @@ class _Rewriter:
         category = self.policy.category(key)
         if category is None:
             return None, low, "not on an autocast list"
-        source = "config override" if key in self.config.op_overrides else f"{self.policy.device_type} list"
+        if key in self.config.op_overrides:
+            source = "config override"
+        elif key in self.policy.opaque:
+            source = f"{self.policy.device_type} composite, run whole"
+        else:
+            source = f"{self.policy.device_type} list"
         return category, low, f"{category.value} ({source})"
 
     def apply_policy(self, node: Node) -> bool:

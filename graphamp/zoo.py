@@ -1,0 +1,270 @@
+"""Built-in models, built from small configs with random weights (no download).
+
+Each entry builds a :class:`Case`: the model, example inputs, and a way to make inputs of other
+batch and sequence sizes. The tests, ``graphamp convert-demo`` and ``graphamp bench`` use them.
+``transformers`` models need the ``test`` extra (``pip install graphamp[test]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Case", "MODELS", "build", "TRANSFORMERS_MODELS"]
+
+
+@dataclass
+class Case:
+    name: str
+    model: nn.Module
+    # make_inputs(batch, seq) -> (args, kwargs); seq is ignored by models without a sequence dim.
+    make_inputs: Callable[[int, int], tuple[tuple, dict[str, Any]]]
+    batch: int = 2
+    seq: int = 8
+
+    @property
+    def inputs(self) -> tuple[tuple, dict[str, Any]]:
+        return self.make_inputs(self.batch, self.seq)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _require_transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            "this built-in model needs transformers; install it with pip install 'graphamp[test]'"
+        ) from e
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 256, hidden: int = 1024, depth: int = 3) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(depth):
+            layers += [nn.Linear(d if i == 0 else hidden, hidden), nn.GELU()]
+        layers.append(nn.Linear(hidden, d))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Checkerboard(nn.Module):
+    """The AMP tutorial's conv net: 1x1 Conv2d + BatchNorm + ReLU over grid coordinates."""
+
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(2, width, 1), nn.BatchNorm2d(width), nn.ReLU()]
+        for _ in range(depth - 1):
+            layers += [nn.Conv2d(width, width, 1), nn.BatchNorm2d(width), nn.ReLU()]
+        layers.append(nn.Conv2d(width, 1, 1))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, grid: torch.Tensor) -> torch.Tensor:
+        return self.net(grid)
+
+
+class ManySmallOps(nn.Module):
+    """Many small linears and elementwise ops: dispatch-bound, where per-call overhead shows."""
+
+    def __init__(self, d: int = 64, blocks: int = 12) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(blocks))
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin, norm in zip(self.blocks, self.norms):
+            h = lin(norm(x))
+            x = x + torch.tanh(h) * torch.sigmoid(h)
+        return x.softmax(-1)
+
+
+class LSTMModel(nn.Module):
+    def __init__(self, vocab: int = 100, d: int = 32, hidden: int = 48, classes: int = 5) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.proj = nn.Linear(d, d)
+        self.lstm = nn.LSTM(d, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.proj(self.embed(tokens)))
+        return self.head(out[:, -1])
+
+
+class MHAModel(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, weights = self.attn(x, x, x, key_padding_mask=mask)
+        return self.out(y), weights
+
+
+def _tensor_inputs(shape_fn: Callable[[int, int], tuple[int, ...]], seed: int) -> Callable:
+    def make(b: int, s: int) -> tuple[tuple, dict]:
+        return (torch.randn(*shape_fn(b, s), generator=_gen(seed + 1000 * b + s)),), {}
+
+    return make
+
+
+def mlp(seed: int = 0) -> Case:
+    torch.manual_seed(seed)
+    return Case("mlp", MLP(), _tensor_inputs(lambda b, s: (b, 256), seed), batch=64)
+
+
+def checkerboard(seed: int = 0) -> Case:
+    torch.manual_seed(seed)
+
+    def make(b: int, s: int) -> tuple[tuple, dict]:
+        lin = torch.linspace(-1, 1, s)
+        grid = torch.stack(torch.meshgrid(lin, lin, indexing="ij")).expand(b, 2, s, s).contiguous()
+        return (grid,), {}
+
+    return Case("checkerboard", Checkerboard(), make, batch=8, seq=32)
+
+
+def many_small_ops(seed: int = 0) -> Case:
+    torch.manual_seed(seed)
+    return Case("many_small_ops", ManySmallOps(), _tensor_inputs(lambda b, s: (b, s, 64), seed), batch=8, seq=16)
+
+
+def transformer_encoder(seed: int = 0) -> Case:
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    return Case("transformer_encoder", model, _tensor_inputs(lambda b, s: (b, s, 64), seed))
+
+
+def lstm(seed: int = 0) -> Case:
+    torch.manual_seed(seed)
+
+    def make(b: int, s: int) -> tuple[tuple, dict]:
+        return (torch.randint(0, 100, (b, s), generator=_gen(seed + b * 1000 + s)),), {}
+
+    return Case("lstm", LSTMModel(), make)
+
+
+def mha(seed: int = 0) -> Case:
+    torch.manual_seed(seed)
+
+    def make(b: int, s: int) -> tuple[tuple, dict]:
+        g = _gen(seed + b * 1000 + s)
+        mask = torch.zeros(b, s, dtype=torch.bool)
+        mask[:, -1] = True
+        return (torch.randn(b, s, 32, generator=g), mask), {}
+
+    return Case("mha", MHAModel(), make)
+
+
+def _token_inputs(vocab: int, seed: int, mask: bool = True) -> Callable:
+    def make(b: int, s: int) -> tuple[tuple, dict]:
+        g = _gen(seed + b * 1000 + s)
+        kwargs = {"input_ids": torch.randint(0, vocab, (b, s), generator=g)}
+        if mask:
+            m = torch.ones(b, s, dtype=torch.long)
+            m[0, -1] = 0
+            kwargs["attention_mask"] = m
+        return (), kwargs
+
+    return make
+
+
+def bert(seed: int = 0, *, layers: int = 2, hidden: int = 64, heads: int = 4, classify: bool = False) -> Case:
+    tf = _require_transformers()
+    torch.manual_seed(seed)
+    cfg = tf.BertConfig(
+        vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=hidden * 4 if hidden >= 256 else 128, max_position_embeddings=128,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+    )
+    model = tf.BertForSequenceClassification(cfg) if classify else tf.BertModel(cfg)
+    return Case("bert", model, _token_inputs(1000, seed))
+
+
+def bert_base(seed: int = 0) -> Case:
+    """BERT-base size (12 layers, hidden 768), for conversion-time measurements."""
+    case = bert(seed, layers=12, hidden=768, heads=12)
+    case.name = "bert_base"
+    return case
+
+
+def gpt2(seed: int = 0) -> Case:
+    tf = _require_transformers()
+    torch.manual_seed(seed)
+    cfg = tf.GPT2Config(
+        vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )
+    return Case("gpt2", tf.GPT2LMHeadModel(cfg), _token_inputs(1000, seed, mask=False))
+
+
+def vit(seed: int = 0) -> Case:
+    tf = _require_transformers()
+    torch.manual_seed(seed)
+    cfg = tf.ViTConfig(
+        image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+
+    def make(b: int, s: int) -> tuple[tuple, dict]:
+        return (), {"pixel_values": torch.randn(b, 3, 32, 32, generator=_gen(seed + b))}
+
+    return Case("vit", tf.ViTModel(cfg), make)
+
+
+def resnet(seed: int = 0) -> Case:
+    tf = _require_transformers()
+    torch.manual_seed(seed)
+    cfg = tf.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic")
+
+    def make(b: int, s: int) -> tuple[tuple, dict]:
+        return (), {"pixel_values": torch.randn(b, 3, s * 4, s * 4, generator=_gen(seed + b * 1000 + s))}
+
+    return Case("resnet", tf.ResNetModel(cfg), make)
+
+
+MODELS: dict[str, Callable[..., Case]] = {
+    "mlp": mlp,
+    "checkerboard": checkerboard,
+    "many_small_ops": many_small_ops,
+    "transformer_encoder": transformer_encoder,
+    "lstm": lstm,
+    "mha": mha,
+    "bert": bert,
+    "gpt2": gpt2,
+    "vit": vit,
+    "resnet": resnet,
+    "bert_base": bert_base,
+}
+TRANSFORMERS_MODELS = ("bert", "gpt2", "vit", "resnet", "bert_base")
+
+
+def build(name: str, seed: int = 0) -> Case:
+    """Build the built-in model ``name``, or ``module:factory`` returning a Case or (model, args[, kwargs])."""
+    if name in MODELS:
+        return MODELS[name](seed)
+    if ":" in name:
+        import importlib
+
+        module_name, _, attr = name.partition(":")
+        made = getattr(importlib.import_module(module_name), attr)()
+        if isinstance(made, Case):
+            return made
+        model, args, *rest = made
+        kwargs = rest[0] if rest else {}
+        return Case(name, model, lambda b, s: (args, kwargs))
+    raise ValueError(f"unknown model {name!r}; built-in models: {', '.join(MODELS)}, or module:factory")

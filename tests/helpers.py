@@ -1,0 +1,100 @@
+"""Shared checks: graphamp against eager torch.autocast, structure first, numerics second."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+import graphamp
+
+
+def float_leaves(out: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _loss(out: Any) -> torch.Tensor:
+    # A fixed, position-dependent weighting so every output element gets a distinct gradient.
+    total = torch.zeros(())
+    for i, t in enumerate(float_leaves(out)):
+        w = torch.linspace(-1, 1, t.numel(), dtype=torch.float32).reshape(t.shape) * (i + 1)
+        total = total + (t.float() * w).sum()
+    return total
+
+
+def run_eager(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, *, grads: bool):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(*args, **kwargs)
+    g = None
+    if grads:
+        _loss(out).backward()
+        g = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+    return out, g
+
+
+def run_converted(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, *, grads: bool):
+    model.zero_grad(set_to_none=True)
+    out = amp(*args, **kwargs)
+    g = None
+    if grads:
+        _loss(out).backward()
+        g = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+    return out, g
+
+
+def assert_same_outputs(out: Any, ref: Any) -> None:
+    assert type(out) is type(ref), (type(out), type(ref))
+    got, want = pytree.tree_leaves(out), pytree.tree_leaves(ref)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype, f"output {i}: dtype {a.dtype} != eager {b.dtype}"
+            assert a.shape == b.shape, f"output {i}: shape {a.shape} != eager {b.shape}"
+            assert torch.equal(a, b), f"output {i}: max |diff| {(a.double() - b.double()).abs().max().item()}"
+        else:
+            assert a == b
+
+
+def assert_same_grads(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for name in want:
+        assert torch.equal(got[name], want[name]), (
+            f"grad of {name}: max |diff| {(got[name] - want[name]).abs().max().item()}"
+        )
+
+
+def assert_exact(model: nn.Module, amp: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, *, grads: bool = True) -> None:
+    """Outputs, output dtypes and every parameter gradient are torch.equal to eager autocast."""
+    ref, ref_g = run_eager(model, args, kwargs, dtype, grads=grads)
+    out, out_g = run_converted(amp, model, args, kwargs, grads=grads)
+    assert_same_outputs(out, ref)
+    if grads:
+        assert ref_g, "the model produced no gradients; the check would be empty"
+        assert_same_grads(out_g, ref_g)
+
+
+def count_casts(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default)
+
+
+def eager_cast_count(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype) -> int:
+    """Casts eager autocast executes in one forward, recorded by make_fx (post-dispatch)."""
+    def f(*a):
+        with torch.autocast("cpu", dtype=dtype):
+            return pytree.tree_leaves(model(*a, **kwargs))
+    with torch.no_grad():
+        return count_casts(make_fx(f)(*args))
+
+
+def graphamp_cast_count(amp: nn.Module, args: tuple, kwargs: dict) -> int:
+    """Casts the converted module executes in one forward, lowered by make_fx with autocast off."""
+    def f(*a):
+        return pytree.tree_leaves(amp(*a, **kwargs))
+    with torch.no_grad():
+        return count_casts(make_fx(f)(*args))
