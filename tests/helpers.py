@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 import graphamp
+from graphamp.reference import count_casts, eager_autocast_graph, lowered_graph
 
 
 def float_leaves(out: Any) -> list[torch.Tensor]:
@@ -79,22 +79,11 @@ def assert_exact(model: nn.Module, amp: nn.Module, args: tuple, kwargs: dict, dt
         assert_same_grads(out_g, ref_g)
 
 
-def count_casts(gm: torch.fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default)
-
-
 def eager_cast_count(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype) -> int:
-    """Casts eager autocast executes in one forward, recorded by make_fx (post-dispatch)."""
-    def f(*a):
-        with torch.autocast("cpu", dtype=dtype):
-            return pytree.tree_leaves(model(*a, **kwargs))
-    with torch.no_grad():
-        return count_casts(make_fx(f)(*args))
+    """Casts eager autocast executes in one forward."""
+    return count_casts(eager_autocast_graph(model, args, kwargs, device_type="cpu", dtype=dtype))
 
 
 def graphamp_cast_count(amp: nn.Module, args: tuple, kwargs: dict) -> int:
-    """Casts the converted module executes in one forward, lowered by make_fx with autocast off."""
-    def f(*a):
-        return pytree.tree_leaves(amp(*a, **kwargs))
-    with torch.no_grad():
-        return count_casts(make_fx(f)(*args))
+    """Casts the converted module executes in one forward."""
+    return count_casts(lowered_graph(amp, args, kwargs))

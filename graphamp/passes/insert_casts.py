@@ -29,6 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils import _pytree as pytree
 
+from graphamp.capture import ambient_autocast
 from graphamp.config import Config
 from graphamp.errors import BannedOpError, PromoteTypeError
 from graphamp.passes._infra import (
@@ -127,6 +128,7 @@ class _Rewriter:
         self.config = config
         self.fake_mode = fake_mode_of(gm)
         self.dirty: set[Node] = set()  # nodes whose dtypes changed since their consumers last saw them
+        self.fresh: set[Node] = set()  # inlined nodes whose values were traced under eager's policy
         self.not_relevant: set[tuple] = set()  # decomposition signatures known to hold no listed op
         self.modified = False
 
@@ -145,7 +147,7 @@ class _Rewriter:
             if first_inlined is not None:
                 return first_inlined
             edited = self.apply_policy(node)
-        if edited or any(isinstance(a, Node) and a in self.dirty for a in node.all_input_nodes):
+        if edited or node in self.fresh or any(a in self.dirty for a in node.all_input_nodes):
             old = dtypes_of(node.meta.get("val"))
             node.meta["val"] = recompute_val(node, self.fake_mode)
             if dtypes_of(node.meta["val"]) != old:
@@ -276,12 +278,13 @@ class _Rewriter:
             return None
         if not any(is_eligible(val_of(n), self.policy.device_type) for n in node.all_input_nodes):
             return None
-        sub, leaves = self.trace_decomposition(op, node.args, node.kwargs)
-        if sub is None or not self.is_relevant(op, sub, 0):
+        low = _autocast_state(node, self.policy)[1]
+        sub, leaves = self.trace_decomposition(op, node.args, node.kwargs, low)
+        if sub is None or not self.is_relevant(op, sub, low, 0):
             return None
         return self.inline(node, sub, leaves)
 
-    def trace_decomposition(self, op, args, kwargs) -> tuple[GraphModule | None, list]:
+    def trace_decomposition(self, op, args, kwargs, low: torch.dtype) -> tuple[GraphModule | None, list]:
         flat, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, a in enumerate(flat) if isinstance(a, Node)]
         inputs = [flat[i].meta.get("val") for i in positions]
@@ -297,14 +300,17 @@ class _Rewriter:
                 return op.decompose(*a, **k)
 
         try:
-            with self.fake_mode:
+            # Under autocast, as in eager: the decomposition's children see autocast's dtypes (a
+            # mixed-dtype bmm inside einsum is legal there), while pre-dispatch tracing records
+            # them above autocast, so no cast lands in the subgraph; the walk adds graphamp's own.
+            with self.fake_mode, ambient_autocast(self.policy.device_type, low):
                 sub = make_fx(decomposed, pre_dispatch=True)(*inputs)
         except Exception:
             return None, []
         return sub, [flat[i] for i in positions]
 
-    def is_relevant(self, op, sub: GraphModule, depth: int) -> bool:
-        key = (op, tuple((tuple(dtypes_of(n.meta.get("val"))), n.meta.get("val").dim() if isinstance(n.meta.get("val"), torch.Tensor) else None) for n in sub.graph.nodes if n.op == "placeholder"))
+    def is_relevant(self, op, sub: GraphModule, low: torch.dtype, depth: int) -> bool:
+        key = (op, low, tuple((tuple(dtypes_of(n.meta.get("val"))), n.meta.get("val").dim() if isinstance(n.meta.get("val"), torch.Tensor) else None) for n in sub.graph.nodes if n.op == "placeholder"))
         if key in self.not_relevant:
             return False
         for child in sub.graph.nodes:
@@ -315,8 +321,8 @@ class _Rewriter:
             if self.policy.category(op_key(child.target)) is not None:
                 return True
             if depth < _MAX_DECOMPOSITION_DEPTH and _is_decomposable(child.target):
-                inner, _ = self.trace_decomposition(child.target, child.args, child.kwargs)
-                if inner is not None and self.is_relevant(child.target, inner, depth + 1):
+                inner, _ = self.trace_decomposition(child.target, child.args, child.kwargs, low)
+                if inner is not None and self.is_relevant(child.target, inner, low, depth + 1):
                     return True
         self.not_relevant.add(key)
         return False
@@ -339,6 +345,7 @@ class _Rewriter:
                 new = self.graph.node_copy(n, lambda a: env[a])
                 new.meta = {**keep, "val": n.meta.get("val"), GRAPHAMP: {"decomposed_from": node.name}}
                 env[n] = new
+                self.fresh.add(new)
                 first = first or new
         if isinstance(outputs, (list, tuple)):
             for user in list(node.users):

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up .venv with graphamp on a fresh machine; idempotent, so both README commands call it.
+#   scripts/setup.sh [EXTRAS]     e.g. scripts/setup.sh test
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+extras="${1:-}"
+py="${PYTHON:-python3}"
+[ -x "$root/.venv/bin/python" ] || "$py" -m venv "$root/.venv"
+vpy="$root/.venv/bin/python"
+# A CPU wheel of torch 2.13.0 lies on disk; a bare `pip install torch` would pull a multi-GB CUDA build.
+if ! "$vpy" -c "import torch" 2>/dev/null; then
+  "$vpy" -m pip install -q --disable-pip-version-check torch==2.13.0
+fi
+stamp="$root/.venv/.graphamp-${extras:-base}-$(cat "$root/pyproject.toml" | sha1sum | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  "$vpy" -m pip install -q --disable-pip-version-check -e "$root${extras:+[$extras]}"
+  touch "$stamp"
+fi

@@ -1,0 +1,196 @@
+"""Constructed cases for each eligibility rule and region kind, exact against eager autocast."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphamp
+from helpers import assert_exact
+
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+
+
+class NestedRegions(nn.Module):
+    """autocast(enabled=False) inside, a custom-dtype region, and a region for another device."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.autocast("cpu", enabled=False):
+            fp32 = self.b(h.float())  # fp32: the region switches autocast off
+            still_low = h @ h.transpose(-1, -2)  # no cast back: stays in h's dtype
+        with torch.autocast("cpu", dtype=torch.float16):
+            half = self.c(x)
+        with torch.autocast("cuda", enabled=False):  # another device: no effect on CPU tensors
+            low = self.d(x)
+        return fp32, still_low, half, low
+
+
+class ExplicitDtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (
+            h.softmax(-1, dtype=torch.float32),
+            torch.log_softmax(h, -1, dtype=torch.float64),
+            h.sum(-1, dtype=torch.float32),
+            torch.cumsum(h, 0, dtype=torch.float32),
+            h.to(torch.float32).norm(dim=-1),
+        )
+
+
+class Float64Branch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.w64 = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+
+    def forward(self, x):
+        h = self.lin(x)
+        d = x.double() @ self.w64  # fp64 is never eligible: stays fp64
+        mixed = torch.cat([h, x.double()], -1)  # promote ignores fp64 arguments
+        return h, d, mixed, torch.stack([x, h.float()]), h + d.float()
+
+
+class IntegerOps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        counts = ids @ ids.transpose(0, 1)  # integer matmul: ineligible
+        h = self.lin(self.emb(ids))
+        picked = h[:, ids[0, :2] % 8]
+        return counts, h, picked, torch.cat([ids.float(), ids.float()], -1)
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        h.mul_(0.5)  # in-place on a low tensor stays low
+        y = x.clone()
+        y.add_(1.0)
+        acc = torch.zeros(x.shape[0], 8)
+        acc.addmm_(x, x.t()[:, :8] if x.shape[0] >= 8 else torch.ones(8, 8))  # in-place addmm: never cast
+        z = x.exp()
+        z.sub_(h.float())
+        return h, y, acc, z
+
+
+class _MatMulFp32(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad.mm(b.t()), a.t().mm(grad)
+
+
+class _MatMulAmbient(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad.mm(b.t()), a.t().mm(grad)
+
+
+class CustomFwd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return _MatMulFp32.apply(h, h.t()), _MatMulAmbient.apply(h, x.t())
+
+
+class SharedActivation(nn.Module):
+    """One activation feeding several matmuls (eager casts it once per consumer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.norm(x)
+        scores = self.q(h) @ self.k(h).transpose(-1, -2)
+        return scores.softmax(-1) @ self.v(h), h @ self.q.weight
+
+
+class NoGradRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            frozen = self.a(x)
+        return self.b(x) + frozen, self.a(x)
+
+
+class Losses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x, target):
+        logits = self.lin(x)
+        return F.cross_entropy(logits, target), F.mse_loss(logits, torch.zeros_like(logits)), F.nll_loss(logits.log_softmax(-1), target)
+
+
+class EinsumAndConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(8, 8, 3, padding="same")
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        c = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        return torch.einsum("bsd,de->bse", c, self.w), torch.einsum("bsd->bd", x)
+
+
+CASES = {
+    "nested_regions": (NestedRegions, lambda: (torch.randn(4, 8),)),
+    "explicit_dtypes": (ExplicitDtypes, lambda: (torch.randn(4, 8),)),
+    "float64_branch": (Float64Branch, lambda: (torch.randn(4, 8),)),
+    "integer_ops": (IntegerOps, lambda: (torch.randint(0, 16, (4, 8)),)),
+    "in_place": (InPlace, lambda: (torch.randn(8, 8),)),
+    "custom_fwd": (CustomFwd, lambda: (torch.randn(4, 8),)),
+    "shared_activation": (SharedActivation, lambda: (torch.randn(2, 4, 8),)),
+    "no_grad_region": (NoGradRegion, lambda: (torch.randn(4, 8),)),
+    "losses": (Losses, lambda: (torch.randn(6, 8), torch.randint(0, 4, (6,)))),
+    "einsum_and_conv": (EinsumAndConv, lambda: (torch.randn(2, 5, 8),)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_case_exact(name, dtype):
+    make_model, make_args = CASES[name]
+    model, args = make_model(), make_args()
+    amp = graphamp.convert(model, args, dtype=dtype)
+    assert_exact(model, amp, args, {}, dtype)
