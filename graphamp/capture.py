@@ -21,7 +21,7 @@ from torch import nn
 from torch.export import Dim, ShapesCollection
 from torch.utils import _pytree as pytree
 
-from graphamp.errors import CaptureError
+from graphamp.errors import BannedOpError, CaptureError
 
 __all__ = ["capture", "ambient_autocast"]
 
@@ -109,6 +109,13 @@ def capture(
             warnings.filterwarnings("ignore", message=".*were assigned during export.*")
             ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:
+        if "unsafe to autocast" in str(e):
+            raise BannedOpError(
+                f"{type(model).__name__} calls torch.nn.functional.binary_cross_entropy (or nn.BCELoss), "
+                f"which {device_type} autocast bans as unsafe, as eager autocast does. Way out: use "
+                "torch.nn.functional.binary_cross_entropy_with_logits or nn.BCEWithLogitsLoss, which "
+                "combine the sigmoid and the loss and are safe to autocast."
+            ) from e
         construct, way_out = _describe(e)
         raise CaptureError(
             f"graphamp could not capture {type(model).__name__} with torch.export: {construct}. "

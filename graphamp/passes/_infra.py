@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch._dispatch.python import enable_python_dispatcher
-from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
@@ -25,8 +24,10 @@ def short_dtype(dtype: torch.dtype | None) -> str:
 
 
 def fake_mode_of(gm: GraphModule) -> FakeTensorMode:
-    vals = [n.meta.get("val") for n in gm.graph.nodes]
-    mode = detect_fake_mode([v for v in pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)])
+    # The graph's own mode, not detect_fake_mode's: a caller may be running inside another fake
+    # mode (fake CUDA models), and detect_fake_mode insists that the two agree.
+    vals = pytree.tree_leaves([n.meta.get("val") for n in gm.graph.nodes])
+    mode = next((v.fake_mode for v in vals if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)), None)
     if mode is None:
         raise RuntimeError("graphamp passes need node.meta['val'] fake tensors; capture the graph first")
     return mode
