@@ -5,7 +5,6 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -13,6 +12,21 @@ from torch import nn
 from graphamp.policy import Category, op_key
 
 __all__ = ["Config"]
+
+
+class FrozenDict(dict):
+    """A dict that refuses mutation (unlike MappingProxyType it pickles, so AmpModules save)."""
+
+    def _readonly(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("Config is frozen; build a new Config instead")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple:
+        return (FrozenDict, (dict(self),))
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items(), key=repr)))
 
 
 def _normalize_op(op: object) -> str:
@@ -65,7 +79,7 @@ class Config:
         if not isinstance(self.op_overrides, Mapping):
             raise TypeError("Config.op_overrides must be a mapping from op to category")
         overrides = {_normalize_op(k): _normalize_category(v) for k, v in self.op_overrides.items()}
-        object.__setattr__(self, "op_overrides", MappingProxyType(overrides))
+        object.__setattr__(self, "op_overrides", FrozenDict(overrides))
         modules = (self.fp32_modules,) if isinstance(self.fp32_modules, (str, type)) else tuple(self.fp32_modules)
         for m in modules:
             if not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, nn.Module))):
