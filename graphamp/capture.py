@@ -21,7 +21,7 @@ from torch import nn
 from torch.export import Dim, ShapesCollection
 from torch.utils import _pytree as pytree
 
-from graphamp.errors import BannedOpError, CaptureError
+from graphamp.errors import BannedOpError, CaptureError, PromoteTypeError
 
 __all__ = ["capture", "ambient_autocast"]
 
@@ -115,6 +115,12 @@ def capture(
                 f"which {device_type} autocast bans as unsafe, as eager autocast does. Way out: use "
                 "torch.nn.functional.binary_cross_entropy_with_logits or nn.BCEWithLogitsLoss, which "
                 "combine the sigmoid and the loss and are safe to autocast."
+            ) from e
+        if "at::autocast::prioritize" in str(e):
+            raise PromoteTypeError(
+                f"{type(model).__name__} passes two different lower-precision dtypes to one promote-list "
+                "op (cat, stack, index_copy, ...), which eager autocast rejects too ('Unexpected floating "
+                "ScalarType in at::autocast::prioritize'). Way out: cast the operands to one dtype first."
             ) from e
         construct, way_out = _describe(e)
         raise CaptureError(

@@ -87,3 +87,23 @@ def eager_cast_count(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.d
 def graphamp_cast_count(amp: nn.Module, args: tuple, kwargs: dict) -> int:
     """Casts the converted module executes in one forward."""
     return count_casts(lowered_graph(amp, args, kwargs))
+
+
+def captured(model: nn.Module, args: tuple, *, dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu") -> torch.fx.GraphModule:
+    """A captured graph, regions inlined, ready for one pass under test."""
+    from graphamp.capture import capture
+    from graphamp.passes import inline_regions, record_dtypes, strip_asserts
+
+    gm = capture(model, args, {}, device_type=device_type, dtype=dtype)
+    record_dtypes(gm)
+    inline_regions(gm)
+    strip_asserts(gm)
+    return gm
+
+
+def targets(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def casts(gm: torch.fx.GraphModule) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default]

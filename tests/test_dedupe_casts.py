@@ -1,0 +1,60 @@
+"""dedupe_casts: share casts exactly where eager shares them or no gradient can tell."""
+
+import torch
+from torch import nn
+
+import graphamp
+from graphamp.passes import dedupe_casts, insert_casts
+from graphamp.policy import get_policy
+from helpers import assert_exact, captured, casts
+
+BF16 = get_policy("cpu", torch.bfloat16)
+
+
+class Shared(nn.Module):
+    """An activation with three low-precision consumers, and one weight used twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("table", torch.randn(4, 4))
+
+    def forward(self, x):
+        h = x.relu()
+        out = self.q(h) + self.k(h) + self.v(h)
+        tied = h @ self.q.weight  # q.weight's second low-precision use
+        from_buffer = (self.table @ self.table) + (self.table @ self.table.t())
+        return out, tied, from_buffer
+
+
+def _rewritten():
+    gm = captured(Shared(), (torch.randn(2, 4),))
+    insert_casts(gm, BF16)
+    return gm
+
+
+def _sources(gm):
+    return sorted(n.args[0].name for n in casts(gm))
+
+
+def test_shares_eager_cached_weight_casts_and_grad_free_casts_only():
+    gm = _rewritten()
+    before = _sources(gm)
+    assert before.count("relu") == 4 and before.count("q_weight") == 2 and before.count("table") == 3
+    assert dedupe_casts(gm).modified
+    after = _sources(gm)
+    assert after.count("relu") == 4  # may carry gradients: one cast per consumer, as eager
+    assert after.count("q_weight") == 1  # eager's autocast cache shares a grad-requiring weight's cast
+    assert after.count("table") == 1  # a buffer never carries a gradient
+    assert not dedupe_casts(gm).modified  # idempotent
+
+
+def test_no_grad_shares_everything():
+    gm = _rewritten()
+    dedupe_casts(gm, no_grad=True)
+    assert _sources(gm).count("relu") == 1
+
+
+def test_exact_with_and_without_dedupe():
+    model, x = Shared(), torch.randn(2, 4)
+    assert_exact(model, graphamp.convert(model, (x,)), (x,), {}, torch.bfloat16)
