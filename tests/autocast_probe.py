@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphamp.policy import Category, op_key
 
 __all__ = [
+    "CANDIDATES",
     "NONE",
     "Inputs",
     "Outcome",
@@ -35,6 +36,7 @@ __all__ = [
     "autocast_on",
     "consistent_categories",
     "device_context",
+    "dtype_overload",
     "eligible",
     "make_sample",
     "observe",
@@ -199,7 +201,7 @@ def _bound(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, An
     return bound
 
 
-def _dtype_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+def dtype_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """The functional overload of the same op whose arguments are ``op``'s plus ``dtype``."""
     names = [a.name for a in op._schema.arguments] + ["dtype"]
     packet = getattr(torch.ops.aten, op._schema.name.split("::", 1)[1])
@@ -239,7 +241,7 @@ def predict(
             args, kwargs = _with_arg(op, args, kwargs, "dtype", torch.float32)
         return run_logged(lambda: op(*args, **kwargs))
     if category is Category.FP32_APPEND_DTYPE:
-        target = _dtype_overload(op)
+        target = dtype_overload(op)
         if target is None:
             return None
         dtype = torch.float32 if eligible(first, device) else first.dtype
@@ -265,19 +267,25 @@ def variants(op: torch._ops.OpOverload, args: tuple, kwargs: dict, low: torch.dt
     mixed: the first floating input low, the others fp32 (promote goes to fp32).
     low+dtype=low: an explicit dtype, which set_opt_dtype respects and fp32 does not.
     """
-    def floats(tree: Any) -> list[torch.Tensor]:
-        return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
     base = (args, kwargs)
-    out = {"fp32": base, "low": pytree.tree_map_only(torch.Tensor, lambda t: t.to(low) if t.is_floating_point() else t, base)}
-    first = floats(base)[:1]
-    if len(floats(base)) > 1:
-        out["mixed"] = pytree.tree_map_only(torch.Tensor, lambda t: t.to(low) if any(t is f for f in first) else t, base)
-    names = [a.name for a in op._schema.arguments]
-    if "dtype" in names and _bound(op, args, kwargs).get("dtype") is None:
+    floats = [t for t in pytree.tree_leaves(base) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    out = {"fp32": base, "low": _cast_where(base, low, lambda t: t.is_floating_point())}
+    if len(floats) > 1:
+        out["mixed"] = _cast_where(base, low, lambda t: t is floats[0])
+    bound = _bound(op, args, kwargs)
+    if "dtype" in bound and bound["dtype"] is None:
         low_args, low_kwargs = out["low"]
         out["low+dtype=low"] = _with_arg(op, low_args, low_kwargs, "dtype", low)
     return out
+
+
+def _cast_where(tree: Any, to: torch.dtype, which: Callable[[torch.Tensor], bool]) -> Any:
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(to) if which(t) else t, tree)
+
+
+def _banned(outcome: Outcome) -> bool:
+    # autocast_mode.cpp binary_cross_entropy_banned: raises before any cast.
+    return outcome.error is not None and "unsafe to autocast" in outcome.error and not outcome.calls
 
 
 def consistent_categories(
@@ -289,12 +297,14 @@ def consistent_categories(
     """
     op = resolve(key)
     args, kwargs = make_sample(key, device)
-    found = set(CANDIDATES)
+    found = {*CANDIDATES, Category.BANNED}
     seen = {}
     for name, (vargs, vkwargs) in variants(op, args, kwargs, low).items():
         observed = observe(op, vargs, vkwargs, device, low)
         seen[name] = observed.summary()
-        for category in list(found):
+        if not _banned(observed):
+            found.discard(Category.BANNED)
+        for category in found - {Category.BANNED}:
             predicted = predict(category, op, vargs, vkwargs, device, low)
             if predicted is None or not predicted.same_as(observed):
                 found.discard(category)
@@ -374,16 +384,8 @@ def _upsample(dims: int, align: bool | None) -> Callable[[Inputs], Args]:
     return make
 
 
-def _lstm_args(t: Inputs, batch_first: bool = True) -> tuple[torch.Tensor, list, list]:
-    """A two-layer LSTM's (input, [h0, c0], flat params), as nn.LSTM passes them."""
-    inp = t.randn(2, 6, 5)
-    hx = [t.randn(2, 2, 4), t.randn(2, 2, 4)]
-    params = [t.randn(16, 5) * 0.3, t.randn(16, 4) * 0.3, t.randn(16), t.randn(16),
-              t.randn(16, 4) * 0.3, t.randn(16, 4) * 0.3, t.randn(16), t.randn(16)]
-    return inp, hx, params
-
-
 def _rnn_params(t: Inputs, gates: int) -> list[torch.Tensor]:
+    """The flat parameters of a two-layer RNN (input 5, hidden 4), as nn.RNN/GRU/LSTM pass them."""
     h = 4
     return [t.randn(gates * h, 5) * 0.3, t.randn(gates * h, h) * 0.3, t.randn(gates * h), t.randn(gates * h),
             t.randn(gates * h, h) * 0.3, t.randn(gates * h, h) * 0.3, t.randn(gates * h), t.randn(gates * h)]
@@ -402,9 +404,9 @@ def _max_unpool(t: Inputs, dims: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _mkldnn_rnn_layer(t: Inputs) -> Args:
-    # One LSTM layer as aten::lstm passes it to oneDNN: 4 weights, h0, c0, then the layer config.
+    # One LSTM layer as aten::lstm.input passes it to oneDNN (mode 2 = LSTM): 4 weights, h0, c0, config.
     return (t.randn(6, 2, 5), t.randn(16, 5) * 0.3, t.randn(16, 4) * 0.3, t.randn(16), t.randn(16),
-            t.randn(2, 4), t.randn(2, 4), False, [6], 2, 4, 1, True, False, False, False), {}
+            t.randn(2, 4), t.randn(2, 4), False, [], 2, 4, 1, True, False, False, False), {}
 
 
 def _householder(t: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -644,8 +646,9 @@ SAMPLES: dict[str, Callable[[Inputs], Args]] = {
     # unregistered composites (policy.effective / policy.opaque) and controls
     "upsample_nearest2d.vec": lambda t: ((t.randn(1, 2, 4, 4), [6, 6], None), {}),
     "upsample_bilinear2d.vec": lambda t: ((t.randn(1, 2, 4, 4), [6, 6], False, None), {}),
-    "lstm.input": lambda t: ((*_lstm_args(t), True, 2, 0.0, False, False, True), {}),
-    "lstm.data": lambda t: ((*_packed(t), [t.randn(2, 3, 4), t.randn(2, 3, 4)], _lstm_args(t)[2], True, 2, 0.0,
+    "lstm.input": lambda t: ((t.randn(2, 6, 5), [t.randn(2, 2, 4), t.randn(2, 2, 4)], _rnn_params(t, 4), True, 2,
+                              0.0, False, False, True), {}),
+    "lstm.data": lambda t: ((*_packed(t), [t.randn(2, 3, 4), t.randn(2, 3, 4)], _rnn_params(t, 4), True, 2, 0.0,
                              False, False), {}),
     "gru.input": lambda t: ((t.randn(2, 6, 5), t.randn(2, 2, 4), _rnn_params(t, 3), True, 2, 0.0, False, False,
                              True), {}),
