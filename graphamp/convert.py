@@ -83,6 +83,7 @@ def convert(
     device_type: str | None = None,
     mode: str = "exact",
     config: Config | None = None,
+    inference: bool = False,
 ) -> AmpModule:
     """Rewrite ``model`` into explicit mixed precision, equal to running it under ``torch.autocast``.
 
@@ -94,6 +95,9 @@ def convert(
         device_type: "cpu" or "cuda"; None takes the device of the model's parameters.
         mode: "exact" reproduces eager autocast bit for bit.
         config: a :class:`graphamp.Config` with op overrides and modules kept in fp32.
+        inference: deployment mode: no gradient path is kept (calls run under ``no_grad``),
+            casts are shared freely, and weights used only in low precision are cast once, now,
+            and held in low precision only. Outputs stay bitwise equal to eager autocast.
 
     Returns:
         An :class:`AmpModule`: a GraphModule with the casts in its code, sharing the model's
@@ -119,6 +123,8 @@ def convert(
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of example keyword inputs, got {type(kwargs).__name__}")
+    if not isinstance(inference, bool):
+        raise TypeError(f"inference must be True or False, got {type(inference).__name__}")
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode={mode!r} is not supported; use one of {MODES}")
     if config is None:
@@ -132,5 +138,5 @@ def convert(
 
     with _autocast_off():
         gm = capture(model, tuple(args), kwargs, device_type=device_type, dtype=dtype)
-        run_pipeline(gm, policy, config, check=mode == "exact" and config.is_default)
-        return emit(gm, model, policy, mode, config)
+        run_pipeline(gm, policy, config, check=mode == "exact" and config.is_default, inference=inference)
+        return emit(gm, model, policy, mode, config, inference=inference)

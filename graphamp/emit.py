@@ -14,6 +14,7 @@ from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
 from graphamp.capture import ambient_autocast
 from graphamp.config import Config
 from graphamp.errors import InputMismatchError
+from graphamp.passes.cache_weights import WEIGHT_CACHE, cached_cast
 from graphamp.passes._infra import attr_of, cast_source, is_graphamp_cast, short_dtype, tensor_dtype
 from graphamp.passes.inline_regions import set_grad_enabled
 from graphamp.policy import Policy
@@ -32,6 +33,7 @@ class AmpInfo:
     mode: str
     training: bool
     config: Config
+    inference: bool = False
 
 
 class InputGuard(nn.Module):
@@ -116,7 +118,7 @@ class _AmpTracer(torch.fx.Tracer):
     """Re-traces a saved AmpModule's code, keeping graphamp's grad-mode calls as nodes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("autowrap_functions", (set_grad_enabled,))
+        kwargs.setdefault("autowrap_functions", (set_grad_enabled, cached_cast))
         super().__init__(*args, **kwargs)
 
 
@@ -139,10 +141,36 @@ class AmpModule(GraphModule):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         info = self.__dict__.get("_graphamp")
+        if info is not None and info.inference:
+            with torch.no_grad():
+                return self._call_without_autocast(info, args, kwargs)
+        return self._call_without_autocast(info, args, kwargs)
+
+    def _call_without_autocast(self, info: AmpInfo | None, args: tuple, kwargs: dict) -> Any:
         if info is not None and torch.is_autocast_enabled(info.device_type):
             with ambient_autocast(info.device_type, info.dtype, enabled=False):
                 return super().__call__(*args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    def refresh(self) -> None:
+        """Recompute the low-precision weight copies from the model's parameters.
+
+        Updates through a parameter itself (``optimizer.step()``, ``load_state_dict``) are seen
+        automatically; call this after changing one through ``.data``, which its version counter
+        does not see, or to re-cast the weights an ``inference=True`` module froze at conversion.
+        """
+        cache = getattr(self, WEIGHT_CACHE, None)
+        if cache is not None:
+            cache.clear()
+        for path, source in self.__dict__.get("_graphamp_frozen", {}).items():
+            param = source()
+            if param is None:
+                raise RuntimeError(
+                    f"cannot refresh {path}: the model it was converted from is gone. Way out: keep the "
+                    "model alive, or load new weights with load_state_dict(model.state_dict())"
+                )
+            with torch.no_grad():
+                self.get_buffer(path).copy_(param)
 
     def train(self, mode: bool = True) -> AmpModule:
         info = self.__dict__.get("_graphamp")
@@ -158,6 +186,7 @@ class AmpModule(GraphModule):
     def __reduce__(self) -> tuple:
         _, (body, import_block) = super().__reduce__()
         body["_tracer_cls"] = _AmpTracer
+        body.pop("_graphamp_frozen", None)  # weak references to the source model do not travel
         return (_rebuild, (body, import_block))
 
     def cast_summary(self) -> dict[str, Any]:
@@ -183,7 +212,7 @@ def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
     return module, name
 
 
-def emit(gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: Config) -> AmpModule:
+def emit(gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: Config, *, inference: bool = False) -> AmpModule:
     """Wrap the rewritten graph as an AmpModule whose state is the model's own parameters and buffers."""
     graph = gm.graph
     placeholders = graph.find_nodes(op="placeholder")
@@ -195,6 +224,7 @@ def emit(gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: C
     root = collections.OrderedDict((n.target, attr_of(gm, n.target)) for n in graph.find_nodes(op="get_attr"))
     root[_GUARD] = guard
     amp = AmpModule(root, graph, class_name=type(model).__name__ + "Amp")
+    frozen = gm.meta.pop("graphamp_frozen", {})
     amp.meta.update(gm.meta)
     state = model.state_dict(keep_vars=True)
     persistent = set(state)
@@ -214,7 +244,8 @@ def emit(gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: C
         if path not in persistent:
             owner, name = _owner(amp, path)
             owner._non_persistent_buffers_set.add(name)
-    amp.__dict__["_graphamp"] = AmpInfo(policy.device_type, policy.dtype, mode, model.training, config)
+    amp.__dict__["_graphamp"] = AmpInfo(policy.device_type, policy.dtype, mode, model.training, config, inference)
+    amp.__dict__["_graphamp_frozen"] = frozen
     nn.Module.train(amp, model.training)
     amp.recompile()
     return amp

@@ -141,8 +141,8 @@ _REGISTERED = {
 # names the known ones so they can be inspected and checked against eager.
 _EFFECTIVE = {
     "cpu": _table(
-        (frozenset({"einsum", "tensordot", "chain_matmul", "linalg_multi_dot", "lstm_cell",
-                    "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"}), _L),
+        (frozenset({"einsum", "tensordot", "chain_matmul", "linalg_multi_dot", "rnn_tanh_cell",
+                    "rnn_relu_cell"}), _L),
     ),
     "cuda": _table(
         (frozenset({"conv1d.padding", "conv2d.padding", "conv3d.padding"}), _L),
@@ -150,18 +150,28 @@ _EFFECTIVE = {
     ),
 }
 
-# Unregistered composites whose decomposition depends on run-time facts (oneDNN is skipped for
-# symbolic sizes, fp16 oneDNN only without grad, loops unroll over the sequence), so tracing it
-# would not reproduce eager's kernels. graphamp treats these as listed: their eligible inputs are
-# cast and the op runs whole, choosing its kernels at run time from all-low inputs exactly as the
-# decomposition under eager autocast does (its listed children cast the same values).
-_OPAQUE = {
-    "cpu": _table(
-        (frozenset({"lstm.input", "lstm.data", "gru.input", "gru.data", "rnn_tanh.input",
-                    "rnn_tanh.data", "rnn_relu.input", "rnn_relu.data"}), _L),
-    ),
-    "cuda": _table(),
-}
+# Unregistered RNN composites graphamp runs whole, as if listed, instead of decomposing them: their
+# decompositions unroll over time and pick kernels at run time, and for these the whole op on
+# inputs pre-cast to the low dtype is bitwise what eager's decomposition gives (its listed children
+# cast the same values and nothing in between promotes). rnn_tanh/rnn_relu always qualify;
+# nn.LSTM only where oneDNN runs it (bf16 with oneDNN on), since its native path promotes the
+# gates with an fp32 state. GRU's native path promotes likewise, so it is decomposed.
+_OPAQUE_RNN = frozenset({"rnn_tanh.input", "rnn_tanh.data", "rnn_relu.input", "rnn_relu.data"})
+
+
+def _opaque(device_type: str, dtype: torch.dtype) -> Mapping[str, Category]:
+    if device_type != "cpu":
+        return MappingProxyType({})
+    names = set(_OPAQUE_RNN)
+    if dtype is torch.bfloat16 and _onednn_runs_bf16_lstm():
+        names.add("lstm.input")
+    return _table((frozenset(names), _L))
+
+
+def _onednn_runs_bf16_lstm() -> bool:
+    mkldnn = torch.backends.mkldnn
+    return bool(mkldnn.is_available() and mkldnn.enabled and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
 
 # Redispatch targets of fp32_append_dtype ops (autocast_mode.cpp, KERNEL_DIFFERENT_REDISPATCH_SIGNATURE).
 APPEND_DTYPE_TARGETS = MappingProxyType({
@@ -214,9 +224,12 @@ class Policy:
 
 
 def get_policy(device_type: str, dtype: torch.dtype) -> Policy:
-    """The built-in policy for ``device_type`` ("cpu" or "cuda") and ``dtype`` (bf16 or fp16)."""
+    """The built-in policy for ``device_type`` ("cpu" or "cuda") and ``dtype`` (bf16 or fp16).
+
+    Its ``opaque`` entries depend on whether oneDNN is enabled now (``torch.backends.mkldnn``).
+    """
     if device_type not in _REGISTERED:
         raise ValueError(f"no autocast policy for device_type={device_type!r}; use one of {DEVICE_TYPES}")
     if dtype not in LOW_DTYPES:
         raise ValueError(f"no autocast policy for dtype={dtype}; use torch.bfloat16 or torch.float16")
-    return Policy(device_type, dtype, _REGISTERED[device_type], _EFFECTIVE[device_type], _OPAQUE[device_type])
+    return Policy(device_type, dtype, _REGISTERED[device_type], _EFFECTIVE[device_type], _opaque(device_type, dtype))

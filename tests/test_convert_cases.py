@@ -173,6 +173,24 @@ class EinsumAndConv(nn.Module):
         return torch.einsum("bsd,de->bse", c, self.w), torch.einsum("bsd->bd", x)
 
 
+class Recurrent(nn.Module):
+    """GRU and the RNN cells: decomposed, since their gates promote with an fp32 state."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(8, 8, num_layers=2, batch_first=True)
+        self.gru_cell, self.lstm_cell = nn.GRUCell(8, 8), nn.LSTMCell(8, 8)
+        self.rnn = nn.RNN(8, 8, batch_first=True)
+
+    def forward(self, x):
+        out, h = self.gru(x)
+        step = x[:, 0]
+        g = self.gru_cell(step)
+        c = self.lstm_cell(step, (g, g))
+        r, _ = self.rnn(out)
+        return out, h, g, c[0], r
+
+
 CASES = {
     "nested_regions": (NestedRegions, lambda: (torch.randn(4, 8),)),
     "explicit_dtypes": (ExplicitDtypes, lambda: (torch.randn(4, 8),)),
@@ -184,6 +202,7 @@ CASES = {
     "no_grad_region": (NoGradRegion, lambda: (torch.randn(4, 8),)),
     "losses": (Losses, lambda: (torch.randn(6, 8), torch.randint(0, 4, (6,)))),
     "einsum_and_conv": (EinsumAndConv, lambda: (torch.randn(2, 5, 8),)),
+    "recurrent": (Recurrent, lambda: (torch.randn(2, 5, 8),)),
 }
 
 

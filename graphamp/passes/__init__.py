@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch.fx import GraphModule
 
 from graphamp.config import Config
+from graphamp.passes.cache_weights import cache_weights, freeze_weights
 from graphamp.passes.check_dtypes import check_dtypes, record_dtypes
 from graphamp.passes.dedupe_casts import dedupe_casts
 from graphamp.passes.fold_casts import fold_casts
@@ -14,7 +15,9 @@ from graphamp.passes.strip_asserts import strip_asserts
 from graphamp.policy import Policy
 
 __all__ = [
+    "cache_weights",
     "check_dtypes",
+    "freeze_weights",
     "dedupe_casts",
     "fold_casts",
     "inline_regions",
@@ -25,14 +28,25 @@ __all__ = [
 ]
 
 
-def run_pipeline(gm: GraphModule, policy: Policy, config: Config, *, check: bool) -> GraphModule:
-    """Run the rewrite on a captured graph; ``check`` compares the result with eager's dtypes."""
+def run_pipeline(
+    gm: GraphModule, policy: Policy, config: Config, *, check: bool, inference: bool = False, cache: bool = True
+) -> GraphModule:
+    """Run the rewrite on a captured graph.
+
+    ``check`` compares every dtype with eager's; ``inference`` declares no gradient will ever be
+    taken (casts are shared freely and weights frozen to low precision); ``cache`` keeps weights'
+    low-precision copies across calls.
+    """
     record_dtypes(gm)
     inline_regions(gm)
     strip_asserts(gm)
     insert_casts(gm, policy, config)
-    dedupe_casts(gm)
-    fold_casts(gm)
+    dedupe_casts(gm, no_grad=inference)
+    fold_casts(gm, no_grad=inference)
     if check:
         check_dtypes(gm)
+    if inference:
+        freeze_weights(gm)
+    if cache:
+        cache_weights(gm)
     return gm
