@@ -141,11 +141,11 @@ def many_small_ops(seed: int = 0) -> Case:
     return Case("many_small_ops", ManySmallOps(), _tensor_inputs(lambda b, s: (b, s, 64), seed), batch=8, seq=16)
 
 
-def transformer_encoder(seed: int = 0) -> Case:
+def transformer_encoder(seed: int = 0, *, d_model: int = 64, layers: int = 2, heads: int = 4) -> Case:
     torch.manual_seed(seed)
-    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
-    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-    return Case("transformer_encoder", model, _tensor_inputs(lambda b, s: (b, s, 64), seed))
+    layer = nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=2 * d_model if d_model < 256 else 4 * d_model, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+    return Case("transformer_encoder", model, _tensor_inputs(lambda b, s: (b, s, d_model), seed))
 
 
 def lstm(seed: int = 0) -> Case:
@@ -187,7 +187,7 @@ def bert(seed: int = 0, *, layers: int = 2, hidden: int = 64, heads: int = 4, cl
     torch.manual_seed(seed)
     cfg = tf.BertConfig(
         vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=hidden * 4 if hidden >= 256 else 128, max_position_embeddings=128,
+        intermediate_size=hidden * 4 if hidden >= 256 else 128, max_position_embeddings=256,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
     )
     model = tf.BertForSequenceClassification(cfg) if classify else tf.BertModel(cfg)
@@ -201,27 +201,27 @@ def bert_base(seed: int = 0) -> Case:
     return case
 
 
-def gpt2(seed: int = 0) -> Case:
+def gpt2(seed: int = 0, *, layers: int = 2, hidden: int = 64, heads: int = 4) -> Case:
     tf = _require_transformers()
     torch.manual_seed(seed)
     cfg = tf.GPT2Config(
-        vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4,
+        vocab_size=1000, n_positions=256, n_embd=hidden, n_layer=layers, n_head=heads,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
     )
     return Case("gpt2", tf.GPT2LMHeadModel(cfg), _token_inputs(1000, seed, mask=False))
 
 
-def vit(seed: int = 0) -> Case:
+def vit(seed: int = 0, *, layers: int = 2, hidden: int = 64, heads: int = 4, image: int = 32) -> Case:
     tf = _require_transformers()
     torch.manual_seed(seed)
     cfg = tf.ViTConfig(
-        image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        image_size=image, patch_size=8, num_channels=3, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, intermediate_size=2 * hidden if hidden < 256 else 4 * hidden,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )
 
     def make(b: int, s: int) -> tuple[tuple, dict]:
-        return (), {"pixel_values": torch.randn(b, 3, 32, 32, generator=_gen(seed + b))}
+        return (), {"pixel_values": torch.randn(b, 3, image, image, generator=_gen(seed + b))}
 
     return Case("vit", tf.ViTModel(cfg), make)
 

@@ -9,6 +9,8 @@ import time
 import torch
 from torch.utils import _pytree as pytree
 
+from graphamp.cli import bench as bench_cli
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--train", action="store_true", help="convert in training mode")
     demo.add_argument("--print-graph", action="store_true", help="print the rewritten graph's code")
     demo.set_defaults(func=convert_demo)
+    bench_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if getattr(args, "model", "") is None:
         args.model = _default_model()

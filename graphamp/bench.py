@@ -1,0 +1,372 @@
+"""``graphamp bench``: graphamp against eager autocast and its alternatives, side by side in one process.
+
+Every variant runs the same model (its own copy) on the same inputs. Timings come from
+``torch.utils.benchmark.Timer`` in interleaved rounds (variant A, B, C, A, B, C, ...), so drifts of
+the machine hit all variants alike; a row reports the median over rounds, the p10-p90 spread, and
+ratios of medians to eager autocast and to pure low precision.
+
+Other columns:
+* casts/call: ``aten._to_copy`` ops one call executes after warm-up, counted by lowering the call with
+  ``make_fx`` (n/a for compiled variants, whose casts inductor fuses);
+* peak MiB: the peak of tensor memory allocated during one call and still alive (activations,
+  temporary weight copies), tracked per op output by a dispatch mode; parameters, inputs and
+  caches made before the call are not counted (n/a for compiled variants);
+* max err: the largest absolute difference of any output from eager autocast's, on the first call
+  with identical weights (0 means bitwise equal).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import importlib.util
+import weakref
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils import benchmark
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import graphamp
+from graphamp import zoo
+from graphamp.reference import count_casts, lowered_graph
+
+__all__ = ["BENCH_MODELS", "VARIANTS", "Row", "run", "DEFAULT_MODELS"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Benchmark sizes: large enough that compute, not Python, is most of a call.
+BENCH_MODELS: dict[str, Callable[[], zoo.Case]] = {
+    "mlp": lambda: zoo.mlp(),
+    "checkerboard": lambda: zoo.checkerboard(),
+    "transformer_encoder": lambda: _sized(zoo.transformer_encoder(d_model=256, layers=4, heads=8), 8, 128),
+    "many_small_ops": lambda: zoo.many_small_ops(),
+    "bert": lambda: _sized(zoo.bert(layers=4, hidden=256, heads=4), 8, 128),
+    "gpt2": lambda: _sized(zoo.gpt2(layers=4, hidden=256, heads=4), 8, 128),
+    "vit": lambda: _sized(zoo.vit(layers=4, hidden=256, heads=4, image=64), 8, 0),
+}
+DEFAULT_MODELS = ("mlp", "bert")
+
+VARIANTS = (
+    "fp32",
+    "autocast",
+    "pure_low",
+    "graphamp",
+    "graphamp_inference",
+    "compile_autocast",
+    "compile_autocast_freezing",
+    "graphamp_backend",
+    "trainstep",
+)
+INFER_ONLY = {"graphamp_inference", "compile_autocast_freezing"}
+TRAIN_ONLY = {"trainstep"}
+COMPILED = {"compile_autocast", "compile_autocast_freezing", "graphamp_backend"}
+
+
+def _sized(case: zoo.Case, batch: int, seq: int) -> zoo.Case:
+    case.batch, case.seq = batch, seq or case.seq
+    return case
+
+
+@dataclass
+class Row:
+    model: str
+    task: str
+    dtype: str
+    variant: str
+    status: str = "ok"  # ok | pending (feature not landed) | error: ...
+    median_ms: float | None = None
+    p10_ms: float | None = None
+    p90_ms: float | None = None
+    vs_autocast: float | None = None
+    vs_pure_low: float | None = None
+    casts_per_call: int | None = None
+    peak_mib: float | None = None
+    max_err: float | None = None
+    setup_s: float | None = None
+    samples: list[float] = field(default_factory=list, repr=False)
+
+
+def _cast_inputs(tree: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum(t.float().mean() for t in leaves)
+
+
+def _outputs(out: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+class _Variant:
+    """A prepared variant: ``step()`` runs one forward (infer) or one training step (train)."""
+
+    def __init__(self, step: Callable[[], Any], forward: Callable[[], Any], lowerable: Callable[[], Any] | None) -> None:
+        self.step = step
+        self.forward = forward
+        self.lowerable = lowerable
+
+
+def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Variant:
+    model = copy.deepcopy(case.model).train(task == "train")
+    args, kwargs = case.inputs
+    device = "cpu"
+    no_grad = task == "infer"
+
+    def grad_ctx():
+        return torch.no_grad() if no_grad else torch.enable_grad()
+
+    def autocast_ctx():
+        return torch.autocast(device, dtype=dtype)
+
+    def as_step(call: Callable[[], Any], params: Any) -> Callable[[], Any]:
+        if task == "infer":
+            def infer() -> Any:
+                with torch.no_grad():
+                    return call()
+            return infer
+        opt = torch.optim.AdamW(params, lr=1e-4)
+
+        def train() -> Any:
+            opt.zero_grad(set_to_none=True)
+            loss = _loss(call())
+            loss.backward()
+            opt.step()
+            return loss
+        return train
+
+    if name == "fp32":
+        call = lambda: model(*args, **kwargs)  # noqa: E731
+        return _Variant(as_step(call, model.parameters()), call, call)
+    if name == "autocast":
+        def call() -> Any:
+            with autocast_ctx():
+                return model(*args, **kwargs)
+        return _Variant(as_step(call, model.parameters()), call, call)
+    if name == "pure_low":
+        low = model.to(dtype)
+        low_args, low_kwargs = _cast_inputs((args, kwargs), dtype)
+        call = lambda: low(*low_args, **low_kwargs)  # noqa: E731
+        return _Variant(as_step(call, low.parameters()), call, call)
+    if name in ("graphamp", "graphamp_inference"):
+        amp = graphamp.convert(model, args, kwargs, dtype=dtype, inference=name == "graphamp_inference")
+        call = lambda: amp(*args, **kwargs)  # noqa: E731
+        return _Variant(as_step(call, model.parameters()), call, call)
+    if name in ("compile_autocast", "compile_autocast_freezing"):
+        import torch._inductor.config as inductor_config
+
+        compiled = torch.compile(model)
+
+        def call() -> Any:
+            with autocast_ctx():
+                return compiled(*args, **kwargs)
+
+        step = as_step(call, model.parameters())
+        # freezing is read when inductor compiles, i.e. on the first call: compile under it now.
+        with inductor_config.patch(freezing=name.endswith("freezing")):
+            step()
+        return _Variant(step, call, None)
+    if name == "graphamp_backend":
+        if importlib.util.find_spec("graphamp.backend") is None:
+            raise _Pending("the torch.compile backend has not landed")
+        compiled = torch.compile(model, backend="graphamp", options={"dtype": dtype})
+        call = lambda: compiled(*args, **kwargs)  # noqa: E731
+        return _Variant(as_step(call, model.parameters()), call, None)
+    if name == "trainstep":
+        if not hasattr(graphamp, "TrainStep"):
+            raise _Pending("graphamp.TrainStep has not landed")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        step = graphamp.TrainStep(model, lambda out, target: _loss(out), opt, dtype=dtype)
+
+        def train() -> Any:
+            return step(*args, target=None, **kwargs)
+
+        def forward() -> Any:
+            with autocast_ctx():
+                return model(*args, **kwargs)
+        return _Variant(train, forward, None)
+    raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+
+
+class _Pending(Exception):
+    pass
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensors created under the mode and still alive (views count with their base)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t._base is None and not _is_input(t, args, kwargs):
+                nbytes = t.untyped_storage().nbytes()
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._freed, nbytes)
+        return out
+
+
+def _is_input(t: torch.Tensor, args: Any, kwargs: Any) -> bool:
+    # In-place ops and aliases return one of their inputs: not a new allocation.
+    return any(t is a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
+
+
+def _peak_mib(fn: Callable[[], Any]) -> float | None:
+    gc.collect()
+    mode = _LiveBytes()
+    with mode:
+        out = fn()
+    del out
+    return mode.peak / 2**20
+
+
+def _max_err(out: Any, ref: Any) -> float:
+    got, want = _outputs(out), _outputs(ref)
+    if len(got) != len(want):
+        return float("nan")
+    err = 0.0
+    for a, b in zip(got, want):
+        if a.shape != b.shape:
+            return float("nan")
+        err = max(err, (a.double() - b.double()).abs().max().item() if a.numel() else 0.0)
+    return err
+
+
+def _progress(message: str) -> None:
+    """A one-line progress bar on a terminal; whole lines per phase otherwise (logs, CI)."""
+    if sys.stderr.isatty():
+        print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
+    elif message and "round" not in message:
+        print(message, file=sys.stderr, flush=True)
+
+
+def run(
+    models: list[str] | tuple[str, ...] = DEFAULT_MODELS,
+    *,
+    task: str = "infer",
+    dtype: str = "bf16",
+    variants: list[str] | tuple[str, ...] | None = None,
+    rounds: int = 7,
+    target_s: float = 0.05,
+) -> list[Row]:
+    """Benchmark ``variants`` on ``models``; returns one Row per (model, variant)."""
+    if task not in ("infer", "train"):
+        raise ValueError(f"task must be 'infer' or 'train', got {task!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    low = DTYPES[dtype]
+    chosen = [v for v in (variants or VARIANTS) if not (task == "infer" and v in TRAIN_ONLY) and not (task == "train" and v in INFER_ONLY)]
+    for v in chosen:
+        if v not in VARIANTS:
+            raise ValueError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    rows: list[Row] = []
+    for model_name in models:
+        if model_name not in BENCH_MODELS:
+            raise ValueError(f"unknown model {model_name!r}; built-in models: {', '.join(BENCH_MODELS)}")
+        case = BENCH_MODELS[model_name]()
+        prepared: dict[str, _Variant] = {}
+        model_rows = {v: Row(model_name, task, dtype, v) for v in chosen}
+        first_out: dict[str, Any] = {}
+        for v in chosen:
+            _progress(f"[{model_name}] preparing {v} ...")
+            start = time.perf_counter()
+            try:
+                prepared[v] = _prepare(v, case, task, low)
+                # first calls: compile/convert warm-up, and the error against eager autocast
+                with torch.no_grad():
+                    first_out[v] = prepared[v].forward()
+                for _ in range(2):
+                    prepared[v].step()
+            except _Pending as e:
+                model_rows[v].status = f"pending: {e}"
+            except Exception as e:  # a variant that cannot run is reported, not fatal
+                model_rows[v].status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            model_rows[v].setup_s = time.perf_counter() - start
+        live = [v for v in chosen if v in prepared and model_rows[v].status == "ok"]
+        timers = {v: benchmark.Timer(stmt="step()", globals={"step": prepared[v].step}, num_threads=torch.get_num_threads()) for v in live}
+        numbers = {}
+        for v in live:
+            per_call = max(timers[v].timeit(1).median, 1e-6)
+            numbers[v] = max(1, int(target_s / per_call))
+        for r in range(rounds):
+            for v in live:
+                _progress(f"[{model_name}] round {r + 1}/{rounds} {v}")
+                m = timers[v].timeit(numbers[v])
+                model_rows[v].samples.append(m.median * 1e3)
+        for v in live:
+            row = model_rows[v]
+            q = statistics.quantiles(row.samples, n=10, method="inclusive")
+            row.median_ms, row.p10_ms, row.p90_ms = statistics.median(row.samples), q[0], q[-1]
+            if "autocast" in first_out:
+                row.max_err = _max_err(first_out[v], first_out["autocast"])
+            if prepared[v].lowerable is not None and task == "infer":
+                try:
+                    with torch.no_grad():
+                        row.casts_per_call = count_casts(lowered_graph(_CallModule(prepared[v].lowerable), (), {}))
+                except Exception:
+                    row.casts_per_call = None
+            if v not in COMPILED and v != "trainstep":
+                row.peak_mib = _peak_mib(prepared[v].step)
+        base = model_rows.get("autocast")
+        pure = model_rows.get("pure_low")
+        for v in live:
+            row = model_rows[v]
+            if base is not None and base.median_ms:
+                row.vs_autocast = row.median_ms / base.median_ms
+            if pure is not None and pure.median_ms:
+                row.vs_pure_low = row.median_ms / pure.median_ms
+        rows.extend(model_rows.values())
+    _progress("")
+    print(file=sys.stderr, end="")
+    return rows
+
+
+class _CallModule(nn.Module):
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self) -> Any:
+        return self.fn()
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[Row]) -> str:
+    """A Markdown table of the rows."""
+    head = "| model | task | dtype | variant | median ms | p10-p90 ms | vs autocast | vs pure low | casts/call | peak MiB | max err | setup s |"
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        if r.status != "ok":
+            lines.append(f"| {r.model} | {r.task} | {r.dtype} | {r.variant} | {r.status} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r.model} | {r.task} | {r.dtype} | {r.variant} | {_fmt(r.median_ms, '.3f')} | "
+            f"{_fmt(r.p10_ms, '.3f')}-{_fmt(r.p90_ms, '.3f')} | {_fmt(r.vs_autocast, '.2f')} | "
+            f"{_fmt(r.vs_pure_low, '.2f')} | {_fmt(r.casts_per_call, 'd')} | {_fmt(r.peak_mib, '.1f')} | "
+            f"{_fmt(r.max_err, '.3g')} | {_fmt(r.setup_s, '.1f')} |"
+        )
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row]) -> list[dict]:
+    return [{k: v for k, v in asdict(r).items()} for r in rows]

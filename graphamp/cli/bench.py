@@ -1,0 +1,73 @@
+"""``graphamp bench``: argparse front end of graphamp.bench."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+
+import torch
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from graphamp.bench import BENCH_MODELS, DEFAULT_MODELS, VARIANTS
+
+    p = sub.add_parser("bench", help="compare graphamp with eager autocast and the alternatives")
+    p.add_argument("--model", nargs="+", default=list(DEFAULT_MODELS), choices=sorted(BENCH_MODELS), help="built-in models (default: %(default)s)")
+    p.add_argument("--task", choices=["infer", "train"], default="infer")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS, help="default: all that apply to the task")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: %(default)s)")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--csv", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH", help="bar chart of the ratios to eager autocast (needs matplotlib)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from graphamp import bench
+
+    rows = bench.run(args.model, task=args.task, dtype=args.dtype, variants=args.variants, rounds=args.rounds)
+    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    print(f"graphamp bench: task={args.task} dtype={args.dtype} ({machine})")
+    print(bench.table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "rows": bench.to_json(rows)}, f, indent=2)
+    if args.csv:
+        data = bench.to_json(rows)
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=[k for k in data[0] if k != "samples"], extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(data)
+    if args.plot:
+        _plot(rows, args.plot)
+    failed = [r for r in rows if r.status.startswith("error")]
+    return 1 if failed else 0
+
+
+def _plot(rows: list, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib: pip install 'graphamp[plot]'") from e
+    ok = [r for r in rows if r.vs_autocast is not None]
+    models = sorted({r.model for r in ok}, key=[r.model for r in ok].index)
+    variants = sorted({r.variant for r in ok}, key=[r.variant for r in ok].index)
+    width = 0.8 / max(1, len(variants))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(models) * len(variants) / 3), 4))
+    for i, v in enumerate(variants):
+        xs = [models.index(r.model) + i * width for r in ok if r.variant == v]
+        ys = [r.vs_autocast for r in ok if r.variant == v]
+        ax.bar(xs, ys, width, label=v)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([m + 0.4 - width / 2 for m in range(len(models))], models)
+    ax.set_ylabel("time / eager autocast (lower is better)")
+    ax.set_title(f"graphamp bench: {ok[0].task}, {ok[0].dtype}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
