@@ -279,8 +279,12 @@ class _Rewriter:
         if not any(is_eligible(val_of(n), self.policy.device_type) for n in node.all_input_nodes):
             return None
         low = _autocast_state(node, self.policy)[1]
+        key = _signature(op, low, node.args, node.kwargs)
+        if key in self.not_relevant:
+            return None
         sub, leaves = self.trace_decomposition(op, node.args, node.kwargs, low)
         if sub is None or not self.is_relevant(op, sub, low, 0):
+            self.not_relevant.add(key)
             return None
         return self.inline(node, sub, leaves)
 
@@ -310,9 +314,7 @@ class _Rewriter:
         return sub, [flat[i] for i in positions]
 
     def is_relevant(self, op, sub: GraphModule, low: torch.dtype, depth: int) -> bool:
-        key = (op, low, tuple((tuple(dtypes_of(n.meta.get("val"))), n.meta.get("val").dim() if isinstance(n.meta.get("val"), torch.Tensor) else None) for n in sub.graph.nodes if n.op == "placeholder"))
-        if key in self.not_relevant:
-            return False
+        """Whether the decomposition holds a listed op, directly or inside a nested composite."""
         for child in sub.graph.nodes:
             if child.op != "call_function" or not isinstance(child.target, torch._ops.OpOverload):
                 continue
@@ -321,10 +323,13 @@ class _Rewriter:
             if self.policy.category(op_key(child.target)) is not None:
                 return True
             if depth < _MAX_DECOMPOSITION_DEPTH and _is_decomposable(child.target):
+                key = _signature(child.target, low, child.args, child.kwargs)
+                if key in self.not_relevant:
+                    continue
                 inner, _ = self.trace_decomposition(child.target, child.args, child.kwargs, low)
                 if inner is not None and self.is_relevant(child.target, inner, low, depth + 1):
                     return True
-        self.not_relevant.add(key)
+                self.not_relevant.add(key)
         return False
 
     def inline(self, node: Node, sub: GraphModule, leaves: list[Node]) -> Node | None:
@@ -357,6 +362,21 @@ class _Rewriter:
         self.graph.erase_node(node)
         self.modified = True
         return first or after
+
+
+def _signature(op: torch._ops.OpOverload, low: torch.dtype, args: Any, kwargs: Any) -> tuple:
+    """What a composite's decomposition can depend on: the op, the dtype, each tensor input's
+    dtype/device/rank, and every constant argument (an einsum equation, a dim, a flag)."""
+
+    def describe(leaf: Any) -> Any:
+        if isinstance(leaf, Node):
+            val = leaf.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                return ("tensor", val.dtype, val.device.type, val.dim())
+            return ("value", type(val).__name__)
+        return ("const", repr(leaf))
+
+    return (op, low, tuple(describe(leaf) for leaf in pytree.tree_leaves((args, kwargs))))
 
 
 def _where(node: Node) -> str:
