@@ -48,7 +48,9 @@ def convert_demo(args: argparse.Namespace) -> int:
     ok = True
     for b, s in [(case.batch, case.seq), (case.batch + 1, case.seq)]:
         call_args, call_kwargs = case.make_inputs(b, s)
-        with torch.no_grad():
+        # Grad mode on: in eval under no_grad, eager nn.TransformerEncoder/MultiheadAttention take a
+        # fused fast path that no traced graph takes (see README, Known limits).
+        with torch.enable_grad():
             with torch.autocast("cpu", dtype=dtype):
                 ref = model(*call_args, **call_kwargs)
             out = amp(*call_args, **call_kwargs)
