@@ -17,6 +17,7 @@ from graphamp.errors import (
     PromoteTypeError,
 )
 from graphamp.policy import Category, Policy, get_policy
+from graphamp.train import TrainStep
 
 __all__ = [
     "AmpModule",
@@ -29,6 +30,7 @@ __all__ = [
     "Policy",
     "PolicyDriftError",
     "PromoteTypeError",
+    "TrainStep",
     "convert",
     "get_policy",
 ]
