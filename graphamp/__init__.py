@@ -18,6 +18,7 @@ from graphamp.errors import (
 )
 from graphamp.policy import Category, Policy, get_policy
 from graphamp.train import TrainStep
+from graphamp.verify import Report, verify
 
 __all__ = [
     "AmpModule",
@@ -30,9 +31,11 @@ __all__ = [
     "Policy",
     "PolicyDriftError",
     "PromoteTypeError",
+    "Report",
     "TrainStep",
     "convert",
     "get_policy",
+    "verify",
 ]
 
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from graphamp.cli import bench as bench_cli
+from graphamp.cli import verify as verify_cli
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--print-graph", action="store_true", help="print the rewritten graph's code")
     demo.set_defaults(func=convert_demo)
     bench_cli.add_parser(sub)
+    verify_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if getattr(args, "model", "") is None:
         args.model = _default_model()

@@ -1,0 +1,37 @@
+"""``graphamp verify``: argparse front end of :func:`graphamp.verify` over a built-in or user model."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_parser", "main"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="convert a model and check it against eager autocast, op by op (exit 1 on divergence)",
+        description="Convert a model with graphamp and compare it with eager torch.autocast: output "
+        "dtypes and values, and the sequence of (op, input dtypes, output dtype). "
+        "--device-type cuda without a GPU runs both sides on fake CUDA tensors (values not compared).",
+    )
+    p.add_argument("--model", required=True, help="built-in model name (graphamp.zoo) or module:factory")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default=None, help="default: autocast's default for the device (cpu bf16, cuda fp16)")
+    p.add_argument("--device-type", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--train", action="store_true", help="verify in training mode (default: eval)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    import graphamp
+    from graphamp import zoo
+
+    case = zoo.build(args.model)
+    model = case.model.train(args.train)
+    inputs, kwargs = case.inputs
+    report = graphamp.verify(model, inputs, kwargs, dtype=args.dtype, device_type=args.device_type)
+    print(report)
+    if args.json:
+        report.to_json(args.json)
+    return 0 if report.ok else 1
