@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/scaling.py [--sizes 1000 5000 20000]
 
-The model is generated: a chain of small blocks (a Linear, a LayerNorm, and elementwise ops, with a
-residual), so node count grows linearly with the number of blocks. The steps of ``convert`` are timed
+The model is generated: ``graphamp.zoo.ManySmallOps`` with N blocks (a LayerNorm, a Linear and
+elementwise ops, with a residual), so node count grows linearly with the number of blocks. The steps of ``convert`` are timed
 one by one: capture (torch.export, not graphamp's code), graphamp's passes, and emit; memory is
 tracemalloc's peak per phase (the Python objects of the graphs; tensor storage is not traced).
 Near-linear growth means the per-node columns stay flat.
@@ -16,33 +16,20 @@ import time
 import tracemalloc
 
 import torch
-from torch import nn
 
 from graphamp.capture import capture
 from graphamp.config import Config
 from graphamp.emit import emit
 from graphamp.passes import run_pipeline
 from graphamp.policy import get_policy
+from graphamp.zoo import ManySmallOps
 
 NODES_PER_BLOCK = 10  # measured below; used only to pick a block count for a target size
 
 
-class Chain(nn.Module):
-    def __init__(self, blocks: int, d: int = 16) -> None:
-        super().__init__()
-        self.lins = nn.ModuleList(nn.Linear(d, d) for _ in range(blocks))
-        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for lin, norm in zip(self.lins, self.norms):
-            h = lin(norm(x))
-            x = x + torch.tanh(h) * torch.sigmoid(h)
-        return x
-
-
 def measure(blocks: int) -> dict:
     """The steps of graphamp.convert, timed one by one (capture, passes, emit)."""
-    model, x = Chain(blocks), torch.randn(4, 16)
+    model, x = ManySmallOps(d=16, blocks=blocks), torch.randn(4, 16)
     policy, config = get_policy("cpu", torch.bfloat16), Config()
     tracemalloc.start()
     t0 = time.perf_counter()

@@ -25,27 +25,28 @@ def _loss(out: Any) -> torch.Tensor:
     return total
 
 
-def run_eager(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, *, grads: bool):
+def _run(call, model: nn.Module, *, grads: bool):
+    """One forward (and backward of a fixed loss): the outputs and every parameter's grad."""
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=dtype):
-        out = model(*args, **kwargs)
+    out = call()
     g = None
     if grads:
         _loss(out).backward()
         g = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
     return out, g
+
+
+def run_eager(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, *, grads: bool):
+    def call():
+        with torch.autocast("cpu", dtype=dtype):
+            return model(*args, **kwargs)
+
+    return _run(call, model, grads=grads)
 
 
 def run_converted(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, *, grads: bool):
-    model.zero_grad(set_to_none=True)
-    out = amp(*args, **kwargs)
-    g = None
-    if grads:
-        _loss(out).backward()
-        g = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-    return out, g
+    return _run(lambda: amp(*args, **kwargs), model, grads=grads)
 
 
 def assert_same_outputs(out: Any, ref: Any) -> None:

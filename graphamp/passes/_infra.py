@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -12,7 +12,30 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from graphamp.passes.inline_regions import GradFrame, region_of
+
+REGION = "graphamp_region"
+
+
+class AutocastFrame(NamedTuple):
+    device_type: str
+    dtype: torch.dtype | None
+    enabled: bool
+
+
+class GradFrame(NamedTuple):
+    enabled: bool
+
+
+def set_grad_enabled(enabled: bool) -> bool:
+    """Set grad mode and return the previous one; the graph calls it around a grad-mode region."""
+    prev = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(enabled)
+    return prev
+
+
+def region_of(node: Node) -> tuple[AutocastFrame | GradFrame, ...]:
+    return node.meta.get(REGION, ())
+
 
 aten = torch.ops.aten
 GRAPHAMP = "graphamp"
@@ -103,6 +126,41 @@ def insert_cast(graph: torch.fx.Graph, src: Node, dtype: torch.dtype, before: No
     cast.meta["val"] = recompute_val(cast, fake_mode)
     cast.meta[GRAPHAMP] = {"cast": True, "reason": reason}
     return cast
+
+
+def inline_subgraph(graph: torch.fx.Graph, node: Node, sub: torch.fx.Graph, inputs: list, meta_for: Any) -> list[Node]:
+    """Replace ``node`` by a copy of ``sub`` (placeholders bound to ``inputs``); returns the copies.
+
+    The copies go where ``node`` was, each with ``meta_for(original)`` as meta. A node returning
+    several values is used through ``getitem``; each of those is rewired to the matching output.
+    """
+    from graphamp.errors import CaptureError
+
+    env: dict[Node, Any] = dict(zip(sub.find_nodes(op="placeholder"), inputs))
+    copies: list[Node] = []
+    outputs: Any = None
+    with graph.inserting_before(node):
+        for n in sub.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                outputs = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
+                continue
+            if n.op == "get_attr":
+                raise CaptureError(f"cannot inline {node.format_node()}: its subgraph reads attribute {n.target!r}")
+            env[n] = copy = graph.node_copy(n, lambda a: env[a])
+            copy.meta = meta_for(n)
+            copies.append(copy)
+    if isinstance(outputs, (list, tuple)):
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise CaptureError(f"cannot inline {node.format_node()}: it is used other than through getitem")
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(outputs)
+    graph.erase_node(node)
+    return copies
 
 
 def attr_of(gm: GraphModule, target: str) -> object:

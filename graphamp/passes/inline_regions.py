@@ -4,53 +4,30 @@ A region the user wrote in ``forward`` (``with torch.autocast(...)``, ``with tor
 ``autocast(enabled=False)`` of ``custom_fwd``) reaches graphamp in one of two forms:
 
 * export: a ``wrap_with_autocast`` / ``wrap_with_set_grad_enabled`` higher-order op over a subgraph;
-* make_fx pre-dispatch and dynamo: ``_enter_autocast`` ... ``_exit_autocast`` marker nodes.
+* make_fx pre-dispatch and dynamo: ``_enter_autocast`` ... ``_exit_autocast`` marker nodes, and
+  bare ``torch._C._set_grad_enabled`` switches for grad-mode regions.
 
 Both become plain nodes tagged with ``node.meta["graphamp_region"]``, a tuple of frames, outermost
 first. Autocast frames are dropped from the code (the casts will carry the policy; no runtime
-autocast remains). Grad-mode frames stay as explicit ``torch._C._set_grad_enabled`` calls.
+autocast remains). Grad-mode frames stay as explicit grad-mode calls.
 """
 
 from __future__ import annotations
-
-import operator
-from typing import NamedTuple
 
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.errors import CaptureError
+from graphamp.passes._infra import REGION, AutocastFrame, GradFrame, inline_subgraph, region_of, set_grad_enabled
 
 __all__ = ["AutocastFrame", "GradFrame", "inline_regions", "region_of", "set_grad_enabled"]
-
-REGION = "graphamp_region"
-
-
-class AutocastFrame(NamedTuple):
-    device_type: str
-    dtype: torch.dtype | None
-    enabled: bool
-
-
-class GradFrame(NamedTuple):
-    enabled: bool
-
-
-def set_grad_enabled(enabled: bool) -> bool:
-    """Set grad mode and return the previous one; the graph calls it around a grad-mode region."""
-    prev = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(enabled)
-    return prev
-
-
-def region_of(node: Node) -> tuple[AutocastFrame | GradFrame, ...]:
-    return node.meta.get(REGION, ())
-
 
 _hop = torch.ops.higher_order
 _ENTER = torch.amp.autocast_mode._enter_autocast
 _EXIT = torch.amp.autocast_mode._exit_autocast
+_SET_GRAD_ENABLED = torch._C._set_grad_enabled
+_SWITCH_APPLIED = "graphamp_grad_switch"
 
 
 def _is_hop(node: Node) -> bool:
@@ -58,36 +35,20 @@ def _is_hop(node: Node) -> bool:
 
 
 def _inline_subgraph(gm: GraphModule, hop: Node, sub: GraphModule, operands: tuple, frame) -> None:
-    """Copy ``sub``'s nodes before ``hop`` under one more region frame, rewiring hop's getitems."""
+    """Copy ``sub``'s nodes in place of ``hop``, under one more region frame."""
     graph = gm.graph
-    env: dict[Node, object] = {}
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    env.update(zip(placeholders, operands))
     outer = region_of(hop)
-    outputs = None
-    with graph.inserting_before(hop):
-        if isinstance(frame, GradFrame):
+    if isinstance(frame, GradFrame):
+        with graph.inserting_before(hop):
             prev = graph.call_function(set_grad_enabled, (frame.enabled,))
-        for n in sub.graph.nodes:
-            if n.op == "placeholder":
-                continue
-            if n.op == "output":
-                outputs = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
-                continue
-            if n.op == "get_attr":
-                raise CaptureError(f"unexpected attribute {n.target!r} inside the region subgraph of {hop.format_node()}")
-            new = graph.node_copy(n, lambda a: env[a])
-            new.meta = dict(n.meta)
-            new.meta[REGION] = outer + (frame,) + region_of(n)
-            env[n] = new
-        if isinstance(frame, GradFrame):
-            graph.call_function(set_grad_enabled, (prev,))
-    for user in list(hop.users):
-        if not (user.op == "call_function" and user.target is operator.getitem):
-            raise CaptureError(f"{hop.format_node()} is used other than through getitem")
-        user.replace_all_uses_with(outputs[user.args[1]])
-        graph.erase_node(user)
-    graph.erase_node(hop)
+        prev.meta[REGION] = outer
+    copies = inline_subgraph(
+        graph, hop, sub.graph, list(operands), lambda n: {**n.meta, REGION: outer + (frame,) + region_of(n)}
+    )
+    if isinstance(frame, GradFrame):
+        with graph.inserting_after(copies[-1] if copies else prev):
+            restore = graph.call_function(set_grad_enabled, (prev,))
+        restore.meta[REGION] = outer
 
 
 def _inline_hops(gm: GraphModule) -> bool:
@@ -120,6 +81,10 @@ def _inline_hops(gm: GraphModule) -> bool:
 def _inline_markers(gm: GraphModule) -> bool:
     stack: list[AutocastFrame] = []
     markers: list[Node] = []
+    # make_fx pre-dispatch and dynamo record `with torch.no_grad()` as bare grad-mode switches,
+    # each setting the mode until the next; they stay in the code and tag the nodes after them.
+    grad: tuple[GradFrame, ...] = ()
+    tagged = False
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is _ENTER:
             device_type, dtype, enabled, *_ = node.args
@@ -128,11 +93,16 @@ def _inline_markers(gm: GraphModule) -> bool:
         elif node.op == "call_function" and node.target is _EXIT:
             stack.pop()
             markers.append(node)
-        elif stack:
-            node.meta[REGION] = tuple(stack) + region_of(node)
+        elif node.op == "call_function" and node.target is _SET_GRAD_ENABLED:
+            if not node.meta.get(_SWITCH_APPLIED):  # an earlier run already tagged what follows
+                node.meta[_SWITCH_APPLIED] = True
+                grad = (GradFrame(bool(node.args[0])),)
+                tagged = True
+        elif stack or grad:
+            node.meta[REGION] = tuple(stack) + grad + region_of(node)
     for node in reversed(markers):
         gm.graph.erase_node(node)
-    return bool(markers)
+    return bool(markers) or tagged
 
 
 def inline_regions(gm: GraphModule) -> PassResult:

@@ -20,7 +20,6 @@ Each op node gets ``node.meta["graphamp"] = {"category", "dtype", "reason"}``; e
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from graphamp.passes._infra import (
     GRAPHAMP,
     dtypes_of,
     fake_mode_of,
+    inline_subgraph,
     insert_cast,
     is_eligible,
     is_mutating,
@@ -334,34 +334,14 @@ class _Rewriter:
 
     def inline(self, node: Node, sub: GraphModule, leaves: list[Node]) -> Node | None:
         after = node.next if node.next is not self.graph._root else None
-        env: dict[Node, Any] = {}
-        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        env.update(zip(placeholders, leaves))
-        first: Node | None = None
-        outputs: Any = None
         keep = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "graphamp_region")}
-        with self.graph.inserting_before(node):
-            for n in sub.graph.nodes:
-                if n.op == "placeholder":
-                    continue
-                if n.op == "output":
-                    outputs = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
-                    continue
-                new = self.graph.node_copy(n, lambda a: env[a])
-                new.meta = {**keep, "val": n.meta.get("val"), GRAPHAMP: {"decomposed_from": node.name}}
-                env[n] = new
-                self.fresh.add(new)
-                first = first or new
-        if isinstance(outputs, (list, tuple)):
-            for user in list(node.users):
-                assert user.target is operator.getitem, user.format_node()
-                user.replace_all_uses_with(outputs[user.args[1]])
-                self.graph.erase_node(user)
-        else:
-            node.replace_all_uses_with(outputs)
-        self.graph.erase_node(node)
+        copies = inline_subgraph(
+            self.graph, node, sub.graph, leaves,
+            lambda n: {**keep, "val": n.meta.get("val"), GRAPHAMP: {"decomposed_from": node.name}},
+        )
+        self.fresh.update(copies)
         self.modified = True
-        return first or after
+        return copies[0] if copies else after
 
 
 def _signature(op: torch._ops.OpOverload, low: torch.dtype, args: Any, kwargs: Any) -> tuple:
