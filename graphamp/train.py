@@ -27,16 +27,28 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils import _pytree as pytree
 
 from graphamp.capture import ambient_autocast
 from graphamp.config import Config
 from graphamp.convert import convert, resolve_device_type, resolve_dtype
 from graphamp.emit import AmpModule
+from graphamp.errors import InputMismatchError
 
 __all__ = ["TrainStep", "LossModule", "SCALER_MODES"]
 
 SCALER_MODES = ("auto", "graph")
 _STATE_KEYS = {"calls", "steps", "scaler", "applied"}
+
+
+class _Tensor:
+    """Stands for a tensor input in a call's signature (tensors may change between calls)."""
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _Tensor()
 
 
 class LossModule(nn.Module):
@@ -53,6 +65,20 @@ class LossModule(nn.Module):
 
     def forward(self, args: tuple, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         return self.loss_fn(self.model(*args, **kwargs), target)
+
+
+def _signature(inputs: Any) -> tuple[Any, tuple]:
+    """The inputs' structure and non-tensor values, which the converted graph fixed."""
+    leaves, spec = pytree.tree_flatten(inputs)
+    return spec, tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+
+
+def _describe_signature(signature: tuple[Any, tuple] | None) -> str:
+    if signature is None:
+        return "nothing"
+    spec, constants = signature
+    args, kwargs, target = pytree.tree_unflatten(list(constants), spec)
+    return f"args={args!r} kwargs={kwargs!r} target={target!r}"
 
 
 def _check_scaler(scaler: object, device_type: str, dtype: torch.dtype) -> torch.amp.GradScaler | None:
@@ -141,11 +167,15 @@ def _no_runtime_autocast(device_type: str) -> Iterator[None]:
 @contextlib.contextmanager
 def _forward_through(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
     """Bind ``module.forward`` to ``forward`` for the duration, so a wrapper calling it runs the graph."""
+    previous = module.__dict__.get("forward")  # someone else's instance-level forward, if any
     module.forward = forward  # an instance attribute shadows the class's forward
     try:
         yield
     finally:
-        del module.forward
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
 
 
 def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -212,7 +242,8 @@ class TrainStep:
     Args:
         model: the module to train, or a ``DistributedDataParallel`` around it. With DDP, the
             inner module (plus the loss) is converted, and each call runs that graph inside DDP's
-            own forward, so its buffer broadcast, reducer and communication hooks apply unchanged.
+            own forward (the inner module's ``forward`` is bound to the graph for the duration of
+            the call), so DDP's buffer broadcast, reducer and communication hooks apply unchanged.
         loss_fn: ``loss_fn(output, target) -> scalar tensor``; it runs inside the converted graph,
             as autocast's docs put the loss inside the autocast region.
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters.
@@ -281,6 +312,7 @@ class TrainStep:
         self.accumulate = accumulate
         self.config = config
         self.module: AmpModule | None = None
+        self._first_signature: tuple[Any, tuple] | None = None
         self.calls = 0
         self.steps = 0
         self.stepped = False
@@ -294,8 +326,17 @@ class TrainStep:
         return self._found_inf is not None and bool(self._found_inf.item())
 
     def __call__(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        signature = _signature((args, kwargs, target))
         if self.module is None:
             self.module = self._convert(args, kwargs, target)
+            self._first_signature = signature
+        elif signature != self._first_signature:
+            raise InputMismatchError(
+                "this call's inputs differ in structure (positional count, keyword names, target) or in "
+                "non-tensor values from the first call's, which the converted graph was built for: "
+                f"{_describe_signature(signature)} vs {_describe_signature(self._first_signature)}. Way out: "
+                "pass the same arguments on every call, or build a new TrainStep for these inputs."
+            )
         elif self.inner.training != self.module.graphamp_info.training:
             mode = "training" if self.module.graphamp_info.training else "eval"
             raise RuntimeError(
@@ -323,10 +364,7 @@ class TrainStep:
 
     def _convert(self, args: tuple, kwargs: dict[str, Any], target: Any) -> AmpModule:
         wrapper = LossModule(self.inner, self.loss_fn)
-        module = convert(
-            wrapper, (args, kwargs, target), dtype=self.dtype, device_type=self.device_type, config=self.config
-        )
-        return module
+        return convert(wrapper, (args, kwargs, target), dtype=self.dtype, device_type=self.device_type, config=self.config)
 
     def _loss(self, args: tuple, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         module = self.module

@@ -515,3 +515,29 @@ def test_state_dict_errors_and_mid_window_warning():
     bf16 = graphamp.TrainStep(model, F.mse_loss, opt, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="scaler"):
         bf16.load_state_dict(state)
+
+
+def test_inputs_must_keep_the_first_calls_structure():
+    # The graph fixed the keyword names and the non-tensor values; an extra keyword would
+    # otherwise be dropped silently.
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x, bias=None, scale=1.0):
+            y = self.lin(x) * scale
+            return y if bias is None else y + bias
+
+    model = Biased()
+    step = graphamp.TrainStep(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    step(torch.randn(3, 4), target=torch.randn(3, 2), scale=2.0)
+    step(torch.randn(5, 4), target=torch.randn(5, 2), scale=2.0)  # other sizes are fine
+    for call in [
+        lambda: step(torch.randn(3, 4), target=torch.randn(3, 2), scale=2.0, bias=torch.randn(2)),
+        lambda: step(torch.randn(3, 4), target=torch.randn(3, 2), scale=3.0),
+        lambda: step(torch.randn(3, 4), scale=2.0),
+    ]:
+        with pytest.raises(graphamp.InputMismatchError, match="build a new TrainStep"):
+            call()
+    assert step.calls == 2
