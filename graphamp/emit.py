@@ -133,6 +133,13 @@ class AmpModule(GraphModule):
     Its graph (``print(m.code)``) holds every cast explicitly, so it runs with no runtime autocast;
     an ambient ``torch.autocast`` around a call is switched off for the policy's device so the
     policy is never applied twice. Parameters and buffers are the original model's objects.
+
+    >>> import graphamp
+    >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    >>> amp = graphamp.convert(model, (torch.randn(2, 4),))
+    >>> assert amp.get_parameter("0.weight") is model[0].weight
+    >>> assert amp.cast_summary()["by_dtype"] == {"fp32->bf16": 3}   # input, weight, bias
+    >>> assert amp(torch.randn(5, 4)).dtype is torch.bfloat16
     """
 
     @property
