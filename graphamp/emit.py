@@ -15,7 +15,7 @@ from graphamp.capture import ambient_autocast
 from graphamp.config import Config
 from graphamp.errors import InputMismatchError
 from graphamp.passes.cache_weights import WEIGHT_CACHE, cached_cast
-from graphamp.passes._infra import attr_of, cast_source, is_graphamp_cast, short_dtype, tensor_dtype
+from graphamp.passes._infra import attr_of, cast_source, short_dtype, tensor_dtype
 from graphamp.passes.inline_regions import set_grad_enabled
 from graphamp.policy import Policy
 
@@ -197,17 +197,22 @@ class AmpModule(GraphModule):
         return (_rebuild, (body, import_block))
 
     def cast_summary(self) -> dict[str, Any]:
-        """Counts of the casts in the graph, by (from, to) dtype, and of ops by category."""
+        """Counts of graphamp's casts, by (from, to) dtype; how many are weight casts kept across
+        calls; weights frozen to low precision; and op nodes by category."""
         casts: collections.Counter = collections.Counter()
         categories: collections.Counter = collections.Counter()
+        cached = frozen = 0
         for node in self.graph.nodes:
-            src = cast_source(node)
-            if src is not None and is_graphamp_cast(node):
-                casts[f"{short_dtype(tensor_dtype(src[0]))}->{short_dtype(src[1])}"] += 1
-            category = node.meta.get("graphamp", {}).get("category")
-            if category:
-                categories[category] += 1
-        return {"casts": sum(casts.values()), "by_dtype": dict(casts), "ops_by_category": dict(categories)}
+            info = node.meta.get("graphamp", {})
+            if info.get("cast"):
+                src, dtype = (node.args[1], node.args[2]) if node.target is cached_cast else cast_source(node)
+                casts[f"{short_dtype(tensor_dtype(src))}->{short_dtype(dtype)}"] += 1
+                cached += node.target is cached_cast
+            frozen += bool(info.get("frozen"))
+            if info.get("category"):
+                categories[info["category"]] += 1
+        return {"casts": sum(casts.values()), "by_dtype": dict(casts), "cached_weight_casts": cached,
+                "frozen_weights": frozen, "ops_by_category": dict(categories)}
 
 
 def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:

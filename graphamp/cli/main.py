@@ -42,6 +42,7 @@ def convert_demo(args: argparse.Namespace) -> int:
     print(f"converted in {seconds:.2f} s: {nodes} op nodes, {summary['casts']} casts in the graph")
     for kind, n in sorted(summary["by_dtype"].items()):
         print(f"  cast {kind:<10} x{n}")
+    print(f"  of which weight casts kept across calls: {summary['cached_weight_casts']}")
     for category, n in sorted(summary["ops_by_category"].items()):
         print(f"  ops {category:<20} x{n}")
     if args.print_graph:
