@@ -276,7 +276,9 @@ class TrainStep:
     optimizer holds state for every parameter it steps (or one step has been applied), graph mode
     takes GradScaler's synced path, so a skipped first step does not leave zero-filled state behind
     that GradScaler would not have created. Optimizers that handle the flag themselves (``fused=True``)
-    get it through ``GradScaler.step``, which does not sync for them. Graph mode costs a copy of the
+    get it through ``GradScaler.step``, which does not sync for them. On CUDA, keep the optimizer
+    state on the device (``capturable=True`` for Adam/AdamW, whose step counters otherwise live on
+    the CPU, where selecting them needs the flag on the host). Graph mode costs a copy of the
     parameters and optimizer state per step; it pays off where a host sync is expensive (GPUs).
 
     >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))

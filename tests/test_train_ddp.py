@@ -120,6 +120,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 "our_scale": step.scaler.get_scale() if step.scaler else None,
                 "graph_code": step.module.code,
                 "param_names": [n for n, _ in our_model.named_parameters()],
+                # The inner module's forward is the graph only during a call.
+                "forward_restored": "forward" not in our_model.__dict__,
             }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -154,6 +156,7 @@ def test_ddp_matches_eager_ddp_loop(ddp_results, scenario):
         for key, value in r["eager_state"].items():
             assert torch.equal(r["our_state"][key], value), f"rank {rank}: {key} differs from eager DDP"
         assert "autocast" not in r["graph_code"]
+        assert r["forward_restored"]
     # DDP keeps the parameters equal across ranks: the all-reduce ran on the graph's gradients.
     # (Batch-norm statistics differ: DDP broadcasts them before each forward, which then updates
     # them with each rank's own batch, in eager DDP too.)
