@@ -15,6 +15,7 @@ from graphamp.capture import ambient_autocast
 from graphamp.config import Config
 from graphamp.errors import InputMismatchError
 from graphamp.passes.cache_weights import WEIGHT_CACHE, cached_cast
+from graphamp.passes.dedupe_casts import autocast_cached
 from graphamp.passes._infra import attr_of, cast_source, short_dtype, tensor_dtype
 from graphamp.passes.inline_regions import set_grad_enabled
 from graphamp.policy import Policy
@@ -118,7 +119,7 @@ class _AmpTracer(torch.fx.Tracer):
     """Re-traces a saved AmpModule's code, keeping graphamp's grad-mode calls as nodes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("autowrap_functions", (set_grad_enabled, cached_cast))
+        kwargs.setdefault("autowrap_functions", (set_grad_enabled, cached_cast, autocast_cached))
         super().__init__(*args, **kwargs)
 
 

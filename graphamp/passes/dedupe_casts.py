@@ -8,6 +8,10 @@ low dtype before casting up once, where separate casts sum them in fp32. So exac
 * casts of values that can never require grad (buffers, constants, integer inputs and what is
   computed from them alone, anything under ``no_grad``): their backward does not exist.
 
+Eager's cache also covers a float32 *input* that is a leaf requiring grad (not a view). Whether an
+input is one is known only at call time, so a floating input's later casts become
+:func:`autocast_cached` calls, which reuse the forward's first cast exactly when eager would.
+
 Activations that may carry gradients keep one cast per consumer, as eager does.
 """
 
@@ -18,9 +22,18 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphamp.passes._infra import attr_of, grad_free_nodes, has_mutating_user, in_no_grad, is_graphamp_cast
+from graphamp.passes._infra import (
+    GRAPHAMP,
+    attr_of,
+    cast_source,
+    grad_free_nodes,
+    has_mutating_user,
+    in_no_grad,
+    is_graphamp_cast,
+    tensor_dtype,
+)
 
-__all__ = ["dedupe_casts"]
+__all__ = ["autocast_cached", "dedupe_casts"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -33,6 +46,20 @@ def _is_cached_param_cast(gm: GraphModule, cast: Node) -> bool:
     return isinstance(attr, nn.Parameter) and attr.requires_grad and attr.dtype is torch.float32
 
 
+def _is_input_cast(cast: Node) -> bool:
+    src = cast.args[0]
+    return src.op == "placeholder" and tensor_dtype(src) is torch.float32 and cast.kwargs["dtype"] in _LOW
+
+
+def autocast_cached(src: torch.Tensor, first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A later cast of input ``src``: ``first`` (the forward's first cast of it) where eager
+    autocast's cache would hand that out, i.e. ``src`` is a leaf that requires grad and not a view;
+    a fresh cast otherwise."""
+    if src.requires_grad and src.is_leaf and not src._is_view():
+        return first
+    return torch.ops.aten._to_copy.default(src, dtype=dtype)
+
+
 def dedupe_casts(gm: GraphModule, *, no_grad: bool = False) -> PassResult:
     """Merge casts of one value to one dtype where eager shares them or no gradient can tell.
 
@@ -40,20 +67,31 @@ def dedupe_casts(gm: GraphModule, *, no_grad: bool = False) -> PassResult:
     """
     free = grad_free_nodes(gm, no_grad=no_grad)
     first: dict[tuple, Node] = {}
+    first_input: dict[tuple, Node] = {}
     modified = False
     for node in list(gm.graph.nodes):
-        if not is_graphamp_cast(node) or has_mutating_user(node):
+        # Only plain casts: cache_weights' cached casts are casts too, but of another form.
+        if not is_graphamp_cast(node) or cast_source(node) is None or has_mutating_user(node):
             continue
         src = node.args[0]
-        if not (src in free or _is_cached_param_cast(gm, node)):
-            continue
         # A cast made under no_grad carries no autograd history; it must not serve a consumer outside.
         key = (src, node.kwargs["dtype"], in_no_grad(node))
-        kept = first.setdefault(key, node)
-        if kept is not node:
-            node.replace_all_uses_with(kept)
-            gm.graph.erase_node(node)
-            modified = True
+        if src in free or _is_cached_param_cast(gm, node):
+            kept = first.setdefault(key, node)
+            if kept is not node:
+                node.replace_all_uses_with(kept)
+                gm.graph.erase_node(node)
+                modified = True
+        elif _is_input_cast(node):
+            kept = first_input.setdefault(key, node)
+            if kept is not node:
+                with gm.graph.inserting_before(node):
+                    shared = gm.graph.call_function(autocast_cached, (src, kept, node.kwargs["dtype"]))
+                shared.meta = {**node.meta, GRAPHAMP: {"reason": f"{node.meta[GRAPHAMP]['reason']}; "
+                               f"reuses {kept.name} where eager autocast's cache would"}}
+                node.replace_all_uses_with(shared)
+                gm.graph.erase_node(node)
+                modified = True
     if modified:
         gm.graph.lint()
         gm.recompile()
