@@ -13,6 +13,7 @@ from graphamp.errors import (
     CaptureError,
     GraphampError,
     InputMismatchError,
+    OptionError,
     PolicyDriftError,
     PromoteTypeError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "Config",
     "GraphampError",
     "InputMismatchError",
+    "OptionError",
     "Policy",
     "PolicyDriftError",
     "PromoteTypeError",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError"]
+__all__ = ["GraphampError", "CaptureError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError"]
 
 
 class GraphampError(Exception):
@@ -30,3 +30,7 @@ class PolicyDriftError(GraphampError, RuntimeError):
 
 class InputMismatchError(GraphampError, ValueError):
     """A converted module was called with inputs its graph was not converted for."""
+
+
+class OptionError(GraphampError, ValueError):
+    """An option of ``torch.compile(backend="graphamp", options=...)`` is unknown or has a bad value."""

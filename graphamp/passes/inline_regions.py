@@ -94,7 +94,8 @@ def _inline_markers(gm: GraphModule) -> bool:
             stack.pop()
             markers.append(node)
         elif node.op == "call_function" and node.target is _SET_GRAD_ENABLED:
-            if not node.meta.get(_SWITCH_APPLIED):  # an earlier run already tagged what follows
+            # A switch an earlier run applied has tagged the nodes after it already.
+            if not node.meta.get(_SWITCH_APPLIED):
                 node.meta[_SWITCH_APPLIED] = True
                 grad = (GradFrame(bool(node.args[0])),)
                 tagged = True

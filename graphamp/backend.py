@@ -1,0 +1,459 @@
+"""``torch.compile(model, backend="graphamp")``: graphamp's rewrite inside the PyTorch 2 compiler stack.
+
+For each graph dynamo captures (one per graph break), the backend:
+
+1. fakifies the inputs with dynamo's own fake mode;
+2. re-traces dynamo's torch-level graph to pre-dispatch ATen with ``make_fx``, under the autocast
+   graphamp applies, so every node's fake value carries eager autocast's dtype. On the way it
+   replaces fused inference kernels by their composites (:mod:`graphamp.fast_paths`) and inlines the
+   forward of custom ``autograd.Function``\\s;
+3. runs graphamp's passes (:mod:`graphamp.passes`), as :func:`graphamp.convert` does;
+4. hands the rewritten graph to AOTAutograd and the inner compiler (inductor, or eager graphs)
+   with autocast off, and runs the compiled code with autocast off: graphamp's casts are the only
+   ones applied, whether or not the call sits inside a ``torch.autocast`` region.
+
+The backend is registered under the ``torch_dynamo_backends`` entry point, so ``backend="graphamp"``
+works after ``pip install`` without importing graphamp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.fx import GraphModule, Interpreter, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphamp.capture import ambient_autocast
+from graphamp.config import Config
+from graphamp.convert import MODES, _autocast_off, resolve_dtype
+from graphamp.errors import CaptureError, OptionError, PolicyDriftError
+from graphamp.fast_paths import composite_for
+from graphamp.passes import (
+    check_dtypes,
+    dedupe_casts,
+    fold_casts,
+    inline_regions,
+    insert_casts,
+    record_dtypes,
+    strip_asserts,
+)
+from graphamp.policy import DEVICE_TYPES, Policy, get_policy
+
+__all__ = ["BackendOptions", "INNER_COMPILERS", "graphamp_backend", "rewrite"]
+
+INNER_COMPILERS = ("inductor", "eager")
+
+_AUTOGRAD_FUNCTION_APPLY = torch.ops.higher_order.autograd_function_apply
+_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    """What ``torch.compile(..., backend="graphamp", options={...})`` accepts.
+
+    >>> opts = BackendOptions.parse({"dtype": torch.float16, "inner": "eager"})
+    >>> assert opts.dtype is torch.float16 and opts.inner == "eager" and opts.mode == "exact"
+    """
+
+    # torch.bfloat16 or torch.float16 (or "bf16"/"fp16"); None: the autocast dtype of the device
+    # at compile time (bf16 on CPU, or the dtype of an enclosing torch.autocast region).
+    dtype: torch.dtype | str | None = None
+    # "cpu" or "cuda"; None: the device of the graph's floating-point inputs.
+    device_type: str | None = None
+    # graphamp's mode: "exact" reproduces eager autocast's dtypes bit for bit.
+    mode: str = "exact"
+    # A graphamp.Config: op overrides and modules kept in fp32.
+    config: Config | None = None
+    # The compiler graphamp hands the rewritten graph to: "inductor", or "eager" (AOTAutograd
+    # running the forward and backward graphs as they are).
+    inner: str = "inductor"
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | None) -> BackendOptions:
+        """Validate ``options`` (a mapping from option name to value; None means all defaults)."""
+        if options is None:
+            return cls()
+        if not isinstance(options, Mapping):
+            raise OptionError(
+                f"options must be a dict such as {{'dtype': torch.bfloat16}}, got {type(options).__name__}"
+            )
+        accepted = [f.name for f in dataclasses.fields(cls)]
+        for name in options:
+            if name not in accepted:
+                raise OptionError(
+                    f"torch.compile(backend='graphamp') got the unknown option {name!r}; graphamp "
+                    f"accepts {', '.join(accepted)}. torch.compile's own mode= goes to inductor; "
+                    "inductor settings belong in torch._inductor.config."
+                )
+        opts = cls(**options)
+        if not isinstance(opts.mode, str) or opts.mode not in MODES:
+            raise OptionError(f"option mode={opts.mode!r} is not a graphamp mode; use one of {MODES}")
+        if not isinstance(opts.inner, str) or opts.inner not in INNER_COMPILERS:
+            raise OptionError(f"option inner={opts.inner!r} is not an inner compiler; use one of {INNER_COMPILERS}")
+        if opts.config is not None and not isinstance(opts.config, Config):
+            raise OptionError(f"option config must be a graphamp.Config, got {type(opts.config).__name__}")
+        if opts.device_type is not None and opts.device_type not in DEVICE_TYPES:
+            raise OptionError(f"option device_type={opts.device_type!r} is not supported; use one of {DEVICE_TYPES}")
+        if opts.dtype is not None:
+            try:
+                resolve_dtype(opts.dtype, opts.device_type or "cpu")
+            except (TypeError, ValueError) as e:
+                raise OptionError(f"option dtype: {e}") from e
+        return opts
+
+
+def graphamp_backend(
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """The dynamo backend: rewrite ``gm`` into explicit mixed precision, then compile it.
+
+    ``options`` are graphamp's (see :class:`BackendOptions`); ``mode`` is torch.compile's own
+    ("max-autotune", ...) and is passed on to inductor.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+    >>> x = torch.randn(4, 8)
+    >>> compiled = torch.compile(model, backend="graphamp", options={"inner": "eager"})
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     expected = model(x)
+    >>> assert torch.equal(compiled(x), expected)
+    """
+    opts = BackendOptions.parse(options)
+    if mode is not None and opts.inner != "inductor":
+        raise OptionError(
+            f"torch.compile(mode={mode!r}) configures inductor, but graphamp's inner compiler is "
+            f"{opts.inner!r}; drop mode= or use options={{'inner': 'inductor'}}"
+        )
+    device_type = opts.device_type or _device_type_of(gm, example_inputs)
+    dtype = resolve_dtype(opts.dtype, device_type)
+    config = opts.config or Config()
+    policy = get_policy(device_type, dtype).with_overrides(config.op_overrides)
+    # Dynamo restores the caller's global state while a backend runs and guards on it, so the
+    # grad mode now is the one every call of this graph will see.
+    inference = not torch.is_grad_enabled() and not _enables_grad(gm)
+    ambient = torch.is_autocast_enabled(device_type)
+    with _autocast_off():
+        amp_gm = rewrite(
+            gm, example_inputs, policy, config,
+            check=opts.mode == "exact" and config.is_default, inference=inference, ambient=ambient,
+        )
+        compiled = _hand_off(amp_gm, example_inputs, opts.inner, mode)
+    return _run_without_autocast(compiled)
+
+
+def rewrite(
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    policy: Policy,
+    config: Config | None = None,
+    *,
+    check: bool = True,
+    inference: bool = False,
+    ambient: bool = False,
+) -> GraphModule:
+    """Re-trace dynamo's graph to pre-dispatch ATen and insert the policy's casts.
+
+    ``inference`` declares the graph runs under ``no_grad`` only, so casts are shared freely;
+    ``ambient`` says dynamo traced inside an autocast region (it only changes warnings and errors).
+
+    >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    >>> amp_gm = rewrite(gm, [torch.randn(2, 4)], get_policy("cpu", torch.bfloat16))
+    >>> assert [n.kwargs["dtype"] for n in amp_gm.graph.nodes if n.target is torch.ops.aten._to_copy.default] == [torch.bfloat16] * 3
+    """
+    config = config or Config()
+    amp_gm = _retrace(gm, example_inputs, policy, ambient=ambient)
+    record_dtypes(amp_gm)
+    inline_regions(amp_gm)
+    strip_asserts(amp_gm)
+    insert_casts(amp_gm, policy, config)
+    dedupe_casts(amp_gm, no_grad=inference)
+    fold_casts(amp_gm, no_grad=inference)
+    if check:
+        try:
+            check_dtypes(amp_gm)
+        except PolicyDriftError as e:
+            if ambient:
+                raise
+            raise PolicyDriftError(
+                f"{e}\nUnder torch.compile the likelier cause: dynamo traced forward's Python without "
+                "autocast, so code that reads a tensor's dtype or the autocast state (nn.LSTM's initial "
+                "state, torch.amp.custom_fwd, ...) decided as in fp32. Way out: call the compiled model "
+                f"inside torch.autocast({policy.device_type!r}, dtype={policy.dtype}); graphamp's casts "
+                "stay the only ones applied."
+            ) from e
+    return amp_gm
+
+
+def _device_type_of(gm: GraphModule, example_inputs: Sequence[Any]) -> str:
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    tensors += [*gm.parameters(), *gm.buffers()]
+    floating = [t for t in tensors if t.is_floating_point()]
+    device_type = (floating or tensors)[0].device.type if tensors else "cpu"
+    if device_type not in DEVICE_TYPES:
+        raise OptionError(
+            f"the graph's tensors are on {device_type!r}, which has no graphamp policy; pass "
+            f"options={{'device_type': ...}} with one of {DEVICE_TYPES}"
+        )
+    return device_type
+
+
+def _enables_grad(gm: GraphModule) -> bool:
+    """Whether the graph switches grad mode on somewhere (``torch.enable_grad()`` in forward)."""
+    return any(
+        n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args[0]
+        for n in gm.graph.nodes
+    )
+
+
+def _fake_inputs(gm: GraphModule, example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """Dynamo's fake mode and the inputs fakified in it, with the symbolic sizes dynamo chose."""
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = torch._guards.TracingContext.try_get()
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    fakes = []
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.Tensor):
+            # Dynamo's symbolic context for this tensor keeps its dynamic dims (and their
+            # symbols) rather than specializing them to the example's sizes, as AOTAutograd does.
+            symbolic = context.tensor_to_context.get(value) if context is not None else None
+            source = symbolic.tensor_source if symbolic is not None else None
+            fakes.append(fake_mode.from_tensor(value, symbolic_context=symbolic, source=source))
+        else:
+            # A SymInt input: dynamo's own symbol, which the sizes above refer to.
+            fakes.append(node.meta.get("example_value", value))
+    return fake_mode, fakes
+
+
+@dataclasses.dataclass(frozen=True)
+class _InlinedFunction:
+    where: str  # the module that applied it
+    untraced_custom_fwd: bool  # a custom_fwd body that dynamo traced with autocast off
+
+
+class _Retracer(Interpreter):
+    """Runs dynamo's graph under make_fx, swapping fused kernels for composites and inlining
+    custom ``autograd.Function`` forwards."""
+
+    def __init__(self, gm: GraphModule, policy: Policy, inlined: list[_InlinedFunction]) -> None:
+        super().__init__(gm)
+        self.policy = policy
+        self.inlined = inlined
+        self.regions: list[torch.autocast] = []
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if target is _ENTER_AUTOCAST:
+            # Pre-dispatch tracing records the marker but leaves the autocast state alone (it
+            # expects Python's `with torch.autocast` to have set it); replaying a graph, nothing
+            # has, so enter the region for real: the values traced inside get its dtypes.
+            node = super().call_function(target, args, kwargs)
+            region = torch.autocast(*args, **kwargs)
+            with torch._C.DisableTorchFunction():
+                region.__enter__()
+            self.regions.append(region)
+            return node
+        if target is _EXIT_AUTOCAST:
+            node = super().call_function(target, args, kwargs)
+            with torch._C.DisableTorchFunction():
+                self.regions.pop().__exit__(None, None, None)
+            return node
+        if target is _AUTOGRAD_FUNCTION_APPLY:
+            return self.inline_autograd_function(*args, **kwargs)
+        composite = composite_for(target, self.policy)
+        if composite is not None:
+            return composite(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+    def inline_autograd_function(self, fwd: GraphModule, bwd: GraphModule, *operands: Any, **kwargs: Any) -> Any:
+        # The op runs `fwd` under no_grad inside an autograd.Function whose backward is `bwd`;
+        # pre-dispatch tracing would record the no_grad forward and lose the gradient. graphamp
+        # inlines the forward with grad on, so autograd differentiates it (as convert does).
+        where = _module_of(fx_traceback.get_current_meta())
+        self.inlined.append(_InlinedFunction(where, _is_untraced_custom_fwd(fwd)))
+        body = _without_grad_boundary(fwd, where)
+        output, _saved = _Retracer(body, self.policy, self.inlined).run(*operands)
+        detach = set(kwargs.get("non_differentiable_idx", ()))
+        if isinstance(output, (tuple, list)):
+            return type(output)(o.detach() if i in detach else o for i, o in enumerate(output))
+        return output.detach() if 0 in detach else output
+
+
+def _module_of(meta: Mapping[str, Any]) -> str:
+    stack = meta.get("nn_module_stack")
+    if not stack:
+        return "the compiled function"
+    path, type_ = list(stack.values())[-1]
+    type_name = type_ if isinstance(type_, str) else type_.__qualname__
+    return f"module {_module_path(path) or '<root>'} ({type_name.rsplit('.', 1)[-1]})"
+
+
+def _is_untraced_custom_fwd(fwd: GraphModule) -> bool:
+    """Whether ``fwd`` runs under ``torch.amp.custom_fwd`` that saw autocast off while dynamo traced.
+
+    Under autocast, custom_fwd leaves an autocast region in the body (and casts with
+    ``cast_inputs``); with autocast off it runs the function as is and leaves only its frame in
+    the stack traces.
+    """
+    nodes = [n for n in fwd.graph.nodes if n.op in ("call_function", "call_method")]
+    decorated = any("in decorate_fwd" in (n.meta.get("stack_trace") or "") for n in nodes)
+    return decorated and not any(n.target is _ENTER_AUTOCAST for n in nodes)
+
+
+def _without_grad_boundary(fwd: GraphModule, where: str) -> GraphModule:
+    """A copy of an autograd.Function forward body without its outer no_grad switches."""
+    body = GraphModule(fwd, fwd.graph.__deepcopy__())
+    switches = [n for n in body.graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    if len(switches) != 2 or switches[0].args[0] or not switches[1].args[0]:
+        raise CaptureError(
+            f"graphamp cannot inline the custom autograd.Function applied in {where}: its forward "
+            "changes grad mode itself. Way out: move the grad-mode change out of the Function's "
+            "forward, or keep the Function outside the compiled region (torch.compiler.disable)."
+        )
+    for node in switches:
+        body.graph.erase_node(node)
+    body.recompile()
+    return body
+
+
+def _warn_inlined(inlined: list[_InlinedFunction], policy: Policy, *, ambient: bool) -> None:
+    if torch.is_grad_enabled():
+        where = ", ".join(sorted({f.where for f in inlined}))
+        warnings.warn(
+            f"graphamp inlined the forward of the custom autograd.Function(s) applied in {where}: "
+            "their gradients are now autograd's derivative of that forward, not their own backward. "
+            "Keep a Function whose backward differs outside the compiled region (torch.compiler.disable).",
+            stacklevel=3,
+        )
+    untraced = sorted({f.where for f in inlined if f.untraced_custom_fwd})
+    if untraced and not ambient:
+        warnings.warn(
+            f"the custom autograd.Function(s) applied in {', '.join(untraced)} use torch.amp.custom_fwd, "
+            "which dynamo traced with autocast off, so their cast_inputs casts and autocast-free "
+            "region are not in the graph and graphamp applies its policy inside them. Way out: call the "
+            f"compiled model inside torch.autocast({policy.device_type!r}, dtype={policy.dtype}); "
+            "graphamp's casts stay the only ones applied.",
+            stacklevel=3,
+        )
+
+
+def _retrace(gm: GraphModule, example_inputs: Sequence[Any], policy: Policy, *, ambient: bool) -> GraphModule:
+    fake_mode, fakes = _fake_inputs(gm, example_inputs)
+    inlined: list[_InlinedFunction] = []
+
+    def run(*args: Any) -> Any:
+        # preserve_node_meta carries each dynamo node's nn_module_stack and stack trace to the
+        # ATen nodes traced from it, as AOTAutograd does.
+        with fx_traceback.preserve_node_meta():
+            return _Retracer(gm, policy, inlined).run(*args)
+
+    # Under the autocast graphamp reproduces: the nodes' fake values take eager autocast's dtypes
+    # (pre-dispatch records ops above the autocast key, so no cast lands in the graph), and code
+    # that reads the autocast state while tracing (fused kernels' composites, custom_fwd bodies)
+    # behaves as in eager. Attributes of the graph (parameters under inductor's freezing) are real
+    # tensors; make_fx keeps them as attributes of the new graph.
+    with fake_mode, _allow_real_attributes(fake_mode), ambient_autocast(policy.device_type, policy.dtype):
+        amp_gm = make_fx(run, pre_dispatch=True)(*fakes)
+    if inlined:
+        _warn_inlined(inlined, policy, ambient=ambient)
+    _copy_dynamo_metadata(gm, amp_gm)
+    return amp_gm
+
+
+@contextlib.contextmanager
+def _allow_real_attributes(fake_mode: Any) -> Iterator[None]:
+    previous = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        fake_mode.allow_non_fake_inputs = previous
+
+
+_ROOT = re.compile(r"^L\['[^']+'\]\.?")
+
+
+def _module_path(path: str) -> str:
+    """``L['self'].encoder.layer[0]`` (dynamo's form) -> ``encoder.layer.0`` (export's form)."""
+    path = _ROOT.sub("", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return path.replace("._modules.", ".").lstrip(".")
+
+
+def _copy_dynamo_metadata(gm: GraphModule, amp_gm: GraphModule) -> None:
+    """Carry what AOTAutograd reads from a dynamo graph (input sources, static inputs) to the new one."""
+    for key in ("dynamo_compile_id", "dynamo_flat_name_to_original_fqn"):
+        if key in gm.meta:
+            amp_gm.meta[key] = gm.meta[key]
+    sources = getattr(gm, "_param_name_to_source", None)
+    if sources is not None:
+        # make_fx renamed the graph's attributes (parameters under inductor's freezing); map each
+        # new name to the source of the same tensor. Without the map, AOTAutograd treats the graph
+        # as an exported one, which is correct too, so a tensor not found just drops the map.
+        old_names = {id(t): n for n, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]}
+        mapped = {}
+        for name, t in [*amp_gm.named_parameters(), *amp_gm.named_buffers()]:
+            if old_names.get(id(t)) in sources:
+                mapped[name] = sources[old_names[id(t)]]
+        if len(mapped) == len([*amp_gm.named_parameters(), *amp_gm.named_buffers()]):
+            amp_gm._param_name_to_source = mapped
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), amp_gm.graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+        if "tensor_dict" in old.meta:
+            new.meta["tensor_dict"] = old.meta["tensor_dict"]
+    for node in amp_gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {k: (_module_path(path), type_) for k, (path, type_) in stack.items()}
+
+
+def _hand_off(amp_gm: GraphModule, example_inputs: Sequence[Any], inner: str, mode: str | None) -> Callable[..., Any]:
+    """Compile the rewritten graph with AOTAutograd and the inner compiler."""
+    if inner == "eager":
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=_eager_graph, bw_compiler=_eager_graph)(amp_gm, list(example_inputs))
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(amp_gm, list(example_inputs), config_patches=list_mode_options(mode) if mode else None)
+
+
+def _eager_graph(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """AOTAutograd's inner compiler for inner="eager": run the graph as is, with autocast off."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(_run_without_autocast(gm.forward))
+
+
+def _run_without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # An ambient torch.autocast would re-apply its own policy to the graph's ops on top of
+    # graphamp's casts. The backward is covered too: AOTAutograd calls the backward graph through
+    # the same kind of wrapper (inner="eager"), and inductor's kernels are not autocast at all.
+    def run(*args: Any) -> Any:
+        if torch._C._is_any_autocast_enabled():
+            with torch._C._DisableAutocast():
+                return fn(*args)
+        return fn(*args)
+
+    run.__wrapped__ = fn  # type: ignore[attr-defined]
+    for attr in ("_boxed_call",):
+        if hasattr(fn, attr):
+            setattr(run, attr, getattr(fn, attr))
+    return run
