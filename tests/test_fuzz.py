@@ -64,6 +64,17 @@ def _expand(t: torch.Tensor) -> torch.Tensor:
     return t.expand(R, D)
 
 
+def _autocast_off(m: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(m.device_type, enabled=False):
+        return F.linear(a.float(), m.W0, m.b0) + (a @ a.t()).sum(-1, keepdim=True)  # fp32; a's own dtype
+
+
+def _no_grad(m: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        scale = torch.exp(a.clamp(-2, 2)).sum(-1, keepdim=True)
+    return a * scale
+
+
 def _clone_then(method: str) -> Callable:
     def fn(m: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         t = a.clone()
@@ -143,6 +154,9 @@ OPS: dict[str, Op] = {
     "mm64": Op(1, lambda m, a: a @ m.W64, "d"),
     "float": Op(1, lambda m, a: a.float(), out="f"),
     "to_low": Op(1, lambda m, a: a.to(m.low), "f"),
+    # regions written in forward
+    "autocast_off": Op(1, lambda m, a: _autocast_off(m, a), "f"),
+    "no_grad": Op(1, lambda m, a: _no_grad(m, a)),
     # in-place (never autocast), on clones so that autograd can replay the originals
     "add_": Op(2, _clone_then("add_")),
     "mul_": Op(2, _clone_then("mul_")),
@@ -202,8 +216,9 @@ class _Env:
 
 
 class Program(nn.Module):
-    def __init__(self, dag: Dag, low: torch.dtype) -> None:
+    def __init__(self, dag: Dag, low: torch.dtype, device_type: str = "cpu") -> None:
         super().__init__()
+        self.device_type = device_type
         g = torch.Generator().manual_seed(_seed(dag))
 
         def param(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> nn.Parameter:
@@ -283,7 +298,7 @@ def check_pruning_is_idempotent(amp: graphamp.AmpModule) -> None:
 
 
 def check_cuda(dag: Dag) -> None:
-    model = Program(dag, torch.float16)
+    model = Program(dag, torch.float16, "cuda")
     report = graphamp.verify(model, _inputs(dag, grad=False), device_type="cuda", dtype=torch.float16)
     assert report.ok, str(report)
     assert report.ops["matched"] == report.ops["eager"] == report.ops["graphamp"]
