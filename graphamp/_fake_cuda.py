@@ -172,6 +172,13 @@ def fake_cuda_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 @contextlib.contextmanager
 def fake_cuda_session() -> Iterator[FakeTensorMode]:
-    """A FakeTensorMode with the bindings patched and grad off: the setting for fake CUDA runs."""
+    """A FakeTensorMode with the bindings patched and grad off: the setting for fake CUDA runs.
+
+    >>> with fake_cuda_session():
+    ...     model = fake_cuda_model(nn.Linear(4, 4))
+    ...     (x,), _ = fake_cuda_inputs((torch.randn(2, 4),), {})
+    ...     y = model(x[:, :4].contiguous())
+    >>> assert y.device.type == "cuda" and tuple(y.shape) == (2, 4)
+    """
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, fake_cuda_bindings(), torch.no_grad():
         yield mode

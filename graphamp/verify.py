@@ -203,14 +203,14 @@ class Report:
 
 
 def _output_line(o: OutputCheck) -> str:
-    head = f"[{o.index}] {o.path or '<output>'}: {o.dtype}"
+    head = f"[{o.index}] {o.path or '<output>'}: {o.dtype or '(not a tensor)'}"
     if not o.dtype_match:
         head += f" (eager {o.eager_dtype})"
     if not o.shape_match:
         head += " shape differs"
     if o.bitwise_equal is None:
         return head + (" ok" if o.ok else "")
-    verdict = "bitwise equal" if o.bitwise_equal else "NOT equal"
+    verdict = ("bitwise equal" if o.dtype else "equal") if o.bitwise_equal else "NOT equal"
     if o.max_abs_error is not None:
         verdict += f", max|err| {o.max_abs_error:.3g}, rel {o.max_rel_error:.3g}, SQNR {o.sqnr_db:.1f} dB"
     return f"{head} {verdict}"
@@ -357,8 +357,7 @@ def first_divergence(graphamp: list[OpSignature], eager: list[OpSignature]) -> t
     with other dtypes, or an op present on one side only.
 
     >>> s = lambda op, dt: OpSignature(op, (dt,), (dt,), None)
-    >>> first_divergence([s("mm", "bf16"), s("exp", "fp32")], [s("mm", "bf16"), s("exp", "bf16")])
-    (1, (1, 1))
+    >>> assert first_divergence([s("mm", "bf16"), s("exp", "fp32")], [s("mm", "bf16"), s("exp", "bf16")]) == (1, (1, 1))
     """
     scan = _scan(graphamp, eager)
     first = min((w for w in (scan.dtype, scan.structure) if w is not None), key=lambda w: w.graphamp[0], default=None)
@@ -616,8 +615,7 @@ def verify(
     >>> assert verify(model, (x,), dtype=torch.float16).ok
     >>> wrong = Config(op_overrides={"layer_norm": "lower_precision_fp"})
     >>> report = verify(model, (x,), dtype=torch.float16, config=wrong)
-    >>> report.ok, report.divergence.node, report.divergence.module_path
-    (False, 'layer_norm', '0.norm')
+    >>> assert not report.ok and (report.divergence.node, report.divergence.module_path) == ("layer_norm", "0.norm")
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"graphamp.verify expects a torch.nn.Module, got {type(model).__name__}")

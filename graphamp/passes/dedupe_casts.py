@@ -54,7 +54,12 @@ def _is_input_cast(cast: Node) -> bool:
 def autocast_cached(src: torch.Tensor, first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A later cast of input ``src``: ``first`` (the forward's first cast of it) where eager
     autocast's cache would hand that out, i.e. ``src`` is a leaf that requires grad and not a view;
-    a fresh cast otherwise."""
+    a fresh cast otherwise.
+
+    >>> x = torch.randn(2, requires_grad=True)
+    >>> first = x.to(torch.bfloat16)
+    >>> assert autocast_cached(x, first, torch.bfloat16) is first and autocast_cached(x * 1, first, torch.bfloat16) is not first
+    """
     if src.requires_grad and src.is_leaf and not src._is_view():
         return first
     return torch.ops.aten._to_copy.default(src, dtype=dtype)
