@@ -1,7 +1,25 @@
+import logging
+
 import pytest
 import torch
 
 from graphamp import zoo
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_structured_trace():
+    # pytest attaches its log handlers to every non-propagating logger, torch's structured-trace
+    # logger included, and torch.export emits its trace whenever that logger has a handler:
+    # conversion runs about twice as slow. With no handler and propagation on, torch skips it.
+    trace_log = logging.getLogger("torch.__trace")
+    handlers, propagate = list(trace_log.handlers), trace_log.propagate
+    for handler in handlers:
+        trace_log.removeHandler(handler)
+    trace_log.propagate = True
+    yield
+    trace_log.propagate = propagate
+    for handler in handlers:
+        trace_log.addHandler(handler)
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -20,23 +19,6 @@ from graphamp import zoo
 from conftest import build_case
 
 STEPS = 30
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_structured_trace():
-    # pytest attaches its log handlers to every non-propagating logger, torch's structured-trace
-    # logger included, and torch.export emits its trace whenever that logger has a handler:
-    # conversion runs about twice as slow. With no handler and propagation on (so pytest does
-    # not attach one per test), torch skips the trace.
-    trace_log = logging.getLogger("torch.__trace")
-    handlers, propagate = list(trace_log.handlers), trace_log.propagate
-    for handler in handlers:
-        trace_log.removeHandler(handler)
-    trace_log.propagate = True
-    yield
-    trace_log.propagate = propagate
-    for handler in handlers:
-        trace_log.addHandler(handler)
 
 
 def logits_cross_entropy(out: Any, target: torch.Tensor) -> torch.Tensor:
