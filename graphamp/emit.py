@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.fx import GraphModule
 from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
 
@@ -20,7 +21,7 @@ from graphamp.passes._infra import attr_of, cast_source, short_dtype, tensor_dty
 from graphamp.passes.inline_regions import set_grad_enabled
 from graphamp.policy import Policy
 
-__all__ = ["AmpModule", "AmpInfo", "InputGuard", "emit"]
+__all__ = ["AmpModule", "AmpInfo", "InputGuard", "emit", "input_signature", "describe_signature"]
 
 _GUARD = "_graphamp_guard"
 
@@ -86,6 +87,22 @@ class InputGuard(nn.Module):
                         )
 
 
+_TENSOR = "<tensor>"
+
+
+def input_signature(args: tuple, kwargs: dict) -> tuple[Any, tuple]:
+    """The inputs' structure and non-tensor values, which a converted graph fixes (tensor sizes
+    and values may vary); keyword order does not matter."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
+    return spec, tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+
+
+def describe_signature(signature: tuple[Any, tuple]) -> str:
+    spec, constants = signature
+    args, kwargs = pytree.tree_unflatten(list(constants), spec)
+    return f"args={args!r} kwargs={kwargs!r}"
+
+
 def _guard_from(gm: GraphModule) -> InputGuard:
     names, specs = [], []
     for node in gm.graph.find_nodes(op="placeholder"):
@@ -149,6 +166,14 @@ class AmpModule(GraphModule):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         info = self.__dict__.get("_graphamp")
+        expected = self.__dict__.get("_graphamp_signature")
+        if expected is not None and input_signature(args, kwargs) != expected:
+            raise InputMismatchError(
+                "these inputs differ in structure (positional count, keyword names, nesting) or in "
+                "non-tensor values from the example the graph was converted for, which it baked in: "
+                f"{describe_signature(input_signature(args, kwargs))} vs {describe_signature(expected)}. "
+                "Way out: pass the same kind of arguments, or convert again with an example like these."
+            )
         if info is not None and info.inference:
             with torch.no_grad():
                 return self._call_without_autocast(info, args, kwargs)
@@ -225,7 +250,10 @@ def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
     return module, name
 
 
-def emit(gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: Config, *, inference: bool = False) -> AmpModule:
+def emit(
+    gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: Config, *,
+    inference: bool = False, signature: tuple[Any, tuple] | None = None,
+) -> AmpModule:
     """Wrap the rewritten graph as an AmpModule whose state is the model's own parameters and buffers."""
     graph = gm.graph
     placeholders = graph.find_nodes(op="placeholder")
@@ -259,6 +287,7 @@ def emit(gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: C
             owner._non_persistent_buffers_set.add(name)
     amp.__dict__["_graphamp"] = AmpInfo(policy.device_type, policy.dtype, mode, model.training, config, inference)
     amp.__dict__["_graphamp_frozen"] = frozen
+    amp.__dict__["_graphamp_signature"] = signature
     nn.Module.train(amp, model.training)
     amp.recompile()
     return amp

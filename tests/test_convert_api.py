@@ -336,3 +336,23 @@ def test_bad_config(kwargs, error, words):
         graphamp.Config(**kwargs)
     for word in words:
         assert word in str(info.value)
+
+
+class Flags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, scale=1.0, extra=None):
+        out = self.lin(x) * scale
+        return out if extra is None else out + extra["bias"]
+
+
+def test_inputs_of_another_structure_or_constant_are_refused():
+    x = _x()
+    amp = graphamp.convert(Flags(), (x,), {"scale": 2.0, "extra": {"bias": torch.ones(8)}})
+    amp(_x(3), extra={"bias": torch.zeros(8)}, scale=2.0)  # keyword order and sizes may vary
+    with pytest.raises(graphamp.InputMismatchError, match="scale"):
+        amp(x, scale=3.0, extra={"bias": torch.ones(8)})  # a baked-in constant changed
+    with pytest.raises(graphamp.InputMismatchError, match="Way out"):
+        amp(x, scale=2.0, extra={"bias": torch.ones(8), "other": torch.ones(8)})  # silently ignored otherwise
