@@ -30,6 +30,11 @@ import graphamp
 from graphamp._fake_cuda import fake_cuda_bindings
 from graphamp.capture import ambient_autocast
 
+# Importing torch.testing._internal.common_utils (which the lists import) freezes torch.backends
+# flags and wraps TorchScript calls for the whole process, as PyTorch's own test runner wants; the
+# rest of graphamp's suite sets those flags, so the import's side effects are undone.
+_flags_frozen = torch.backends.flags_frozen()
+_script_calls = (torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__)
 try:
     from torch.testing._internal import autocast_test_lists
 except Exception as e:  # noqa: BLE001 (any import failure of a private module means: skip)
@@ -38,6 +43,10 @@ except Exception as e:  # noqa: BLE001 (any import failure of a private module m
         "it ships with torch and needs expecttest: pip install expecttest",
         allow_module_level=True,
     )
+finally:
+    if not _flags_frozen:
+        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+    torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__ = _script_calls
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -235,3 +244,7 @@ def test_every_list_is_covered():
     assert {d for d, _ in cpu} == set(LOW)
     with FAKE, fake_cuda_bindings():
         assert cuda == set(vars(autocast_test_lists.AutocastTestLists(torch.device("cuda"))))
+
+
+def test_importing_the_lists_leaves_torch_backends_flags_settable():
+    assert not torch.backends.flags_frozen()
