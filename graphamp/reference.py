@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.capture import ambient_autocast
 
-__all__ = ["eager_autocast_graph", "lowered_graph", "count_casts", "fake_cuda_copy"]
+__all__ = ["eager_autocast_graph", "lowered_graph", "count_casts"]
 
 
 def count_casts(gm: torch.fx.GraphModule) -> int:
@@ -54,21 +54,3 @@ def lowered_graph(module: nn.Module, args: tuple, kwargs: dict | None) -> torch.
     """The post-dispatch graph of a converted module, with autocast off."""
     return _trace(module, args, kwargs or {})
 
-
-def fake_cuda_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake CUDA tensors (no GPU needed).
-
-    Call inside a ``FakeTensorMode``. Parameters get ``requires_grad=False``: on a CPU-only build,
-    autograd over fake CUDA tensors aborts the process.
-    """
-    import copy
-
-    model = copy.deepcopy(model)
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[name] = nn.Parameter(torch.empty_like(p, device="cuda"), requires_grad=False)
-        for name, b in list(module._buffers.items()):
-            if b is not None:
-                module._buffers[name] = torch.empty_like(b, device="cuda")
-    return model

@@ -11,7 +11,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphamp
-from graphamp.reference import fake_cuda_copy
+from graphamp._fake_cuda import fake_cuda_model
 from conftest import build_case
 from helpers import assert_exact, assert_same_outputs
 
@@ -104,7 +104,7 @@ class BCE(nn.Module):
 def test_banned_op_under_cuda_policy():
     model = BCE()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = fake_cuda_copy(model)
+        fake = fake_cuda_model(model)
         x, y = torch.rand(4, 8, device="cuda"), torch.rand(4, 1, device="cuda")
         with pytest.raises(graphamp.BannedOpError, match="binary_cross_entropy_with_logits") as info:
             graphamp.convert(fake, (x, y))

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import graphamp
 from graphamp.passes import insert_casts
 from graphamp.policy import get_policy
-from graphamp.reference import fake_cuda_copy
+from graphamp._fake_cuda import fake_cuda_model
 from helpers import captured, casts, targets
 
 aten = torch.ops.aten
@@ -117,7 +117,7 @@ def test_explicit_dtype_is_respected():
 def _cuda_rewrite(fn, *shapes):
     policy = get_policy("cuda", torch.float16)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = fake_cuda_copy(Fn(fn))
+        model = fake_cuda_model(Fn(fn))
         args = tuple(torch.randn(*s, device="cuda") for s in shapes)
         gm = captured(model, args, dtype=policy.dtype, device_type="cuda")
         insert_casts(gm, policy)

@@ -18,6 +18,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
@@ -38,10 +39,9 @@ class WeightCache(nn.Module):
         self._lock = threading.Lock()
 
     def get(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        try:
-            stamp = (param._version, param.data_ptr(), param.shape)
-        except RuntimeError:  # no storage (fake or functional tensors): nothing to reuse
+        if is_fake(param):  # no data to reuse (fake CUDA checks): cast as eager does
             return torch.ops.aten._to_copy.default(param, dtype=dtype)
+        stamp = (param._version, param.data_ptr(), param.shape)
         key = (id(param), dtype)
         entry = self._entries.get(key)
         if entry is not None and entry[0] == stamp:
