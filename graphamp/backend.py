@@ -444,8 +444,9 @@ def _eager_graph(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[...
 
 def _run_without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
     # An ambient torch.autocast would re-apply its own policy to the graph's ops on top of
-    # graphamp's casts. The backward is covered too: AOTAutograd calls the backward graph through
-    # the same kind of wrapper (inner="eager"), and inductor's kernels are not autocast at all.
+    # graphamp's casts. For a backward() called inside a region: inner="eager" wraps the backward
+    # graph too (_eager_graph); inductor's code calls matmuls as out= variants, which autocast
+    # never touches, and its fallback kernels (sdpa, convolution backward) are on no list.
     def run(*args: Any) -> Any:
         if torch._C._is_any_autocast_enabled():
             with torch._C._DisableAutocast():
