@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.capture import ambient_autocast, capture
 from graphamp.config import Config
-from graphamp.emit import AmpModule, emit, input_signature
+from graphamp.emit import AmpModule, emit
 from graphamp.passes import run_pipeline
 from graphamp.policy import DEVICE_TYPES, LOW_DTYPES, Policy, get_policy
 
@@ -139,5 +139,4 @@ def convert(
     with _autocast_off():
         gm = capture(model, tuple(args), kwargs, device_type=device_type, dtype=dtype)
         run_pipeline(gm, policy, config, check=mode == "exact" and config.is_default, inference=inference)
-        signature = input_signature(tuple(args), kwargs)
-        return emit(gm, model, policy, mode, config, inference=inference, signature=signature)
+        return emit(gm, model, policy, mode, config, inference=inference, example=(tuple(args), kwargs))

@@ -97,6 +97,13 @@ def input_signature(args: tuple, kwargs: dict) -> tuple[Any, tuple]:
     return spec, tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
 
 
+def _plain_arity(args: tuple, kwargs: dict) -> int | None:
+    """n when the example was n positional tensors and nothing else: calls like it skip flattening."""
+    if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+        return None
+    return len(args)
+
+
 def describe_signature(signature: tuple[Any, tuple]) -> str:
     spec, constants = signature
     args, kwargs = pytree.tree_unflatten(list(constants), spec)
@@ -167,7 +174,9 @@ class AmpModule(GraphModule):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         info = self.__dict__.get("_graphamp")
         expected = self.__dict__.get("_graphamp_signature")
-        if expected is not None and input_signature(args, kwargs) != expected:
+        arity = self.__dict__.get("_graphamp_arity")
+        plain = arity is not None and not kwargs and len(args) == arity and all(isinstance(a, torch.Tensor) for a in args)
+        if expected is not None and not plain and input_signature(args, kwargs) != expected:
             raise InputMismatchError(
                 "these inputs differ in structure (positional count, keyword names, nesting) or in "
                 "non-tensor values from the example the graph was converted for, which it baked in: "
@@ -252,7 +261,7 @@ def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
 
 def emit(
     gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: Config, *,
-    inference: bool = False, signature: tuple[Any, tuple] | None = None,
+    inference: bool = False, example: tuple[tuple, dict] | None = None,
 ) -> AmpModule:
     """Wrap the rewritten graph as an AmpModule whose state is the model's own parameters and buffers."""
     graph = gm.graph
@@ -287,7 +296,9 @@ def emit(
             owner._non_persistent_buffers_set.add(name)
     amp.__dict__["_graphamp"] = AmpInfo(policy.device_type, policy.dtype, mode, model.training, config, inference)
     amp.__dict__["_graphamp_frozen"] = frozen
-    amp.__dict__["_graphamp_signature"] = signature
+    if example is not None:
+        amp.__dict__["_graphamp_signature"] = input_signature(*example)
+        amp.__dict__["_graphamp_arity"] = _plain_arity(*example)
     nn.Module.train(amp, model.training)
     amp.recompile()
     return amp

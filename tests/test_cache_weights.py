@@ -27,10 +27,10 @@ def test_weights_are_cast_once_across_no_grad_calls():
     cache = getattr(amp, WEIGHT_CACHE)
     with torch.no_grad():
         amp(x)
-        first = {k: v[1] for k, v in cache._entries.items()}
+        first = {k: v[-1] for k, v in cache._entries.items()}
         out = amp(x)
     assert len(first) == 4  # two weights and two biases of the linears; LayerNorm's stay fp32
-    assert all(cache._entries[k][1] is v for k, v in first.items())  # reused, not recast
+    assert all(cache._entries[k][-1] is v for k, v in first.items())  # reused, not recast
     assert torch.equal(out, _eager(model, x))
 
 

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
@@ -35,22 +35,24 @@ class WeightCache(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._entries: dict[tuple[int, torch.dtype], tuple[tuple, torch.Tensor]] = {}
+        # (id(param), dtype) -> (version, data_ptr, low copy)
+        self._entries: dict[tuple[int, torch.dtype], tuple[int, int, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def get(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if is_fake(param):  # no data to reuse (fake CUDA checks): cast as eager does
-            return torch.ops.aten._to_copy.default(param, dtype=dtype)
-        stamp = (param._version, param.data_ptr(), param.shape)
+        # This runs once per weight per call, so it stays lean: one dict lookup, two reads.
         key = (id(param), dtype)
         entry = self._entries.get(key)
-        if entry is not None and entry[0] == stamp:
-            return entry[1]
+        if entry is not None and entry[0] == param._version and entry[1] == param.data_ptr():
+            return entry[2]
+        if isinstance(param, FakeTensor):  # no data to reuse (fake CUDA checks): cast as eager does
+            return torch.ops.aten._to_copy.default(param, dtype=dtype)
+        stamp = (param._version, param.data_ptr())
         # A normal tensor even under inference_mode, so a later grad-mode call may save it.
         with torch.inference_mode(False), torch.no_grad():
             low = param.detach().to(dtype)
         with self._lock:
-            self._entries[key] = (stamp, low)
+            self._entries[key] = (*stamp, low)
         return low
 
     def clear(self) -> None:
