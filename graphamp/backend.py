@@ -35,15 +35,7 @@ from graphamp.config import Config
 from graphamp.convert import MODES, _autocast_off, resolve_dtype
 from graphamp.errors import CaptureError, OptionError, PolicyDriftError
 from graphamp.fast_paths import composite_for
-from graphamp.passes import (
-    check_dtypes,
-    dedupe_casts,
-    fold_casts,
-    inline_regions,
-    insert_casts,
-    record_dtypes,
-    strip_asserts,
-)
+from graphamp.passes import check_dtypes, run_pipeline
 from graphamp.policy import DEVICE_TYPES, Policy, get_policy
 
 __all__ = ["BackendOptions", "INNER_COMPILERS", "graphamp_backend", "rewrite"]
@@ -173,12 +165,8 @@ def rewrite(
     """
     config = config or Config()
     amp_gm = _retrace(gm, example_inputs, policy, ambient=ambient)
-    record_dtypes(amp_gm)
-    inline_regions(amp_gm)
-    strip_asserts(amp_gm)
-    insert_casts(amp_gm, policy, config)
-    dedupe_casts(amp_gm, no_grad=inference)
-    fold_casts(amp_gm, no_grad=inference)
+    # No weight cache: AOTAutograd and inductor take the casts from here (freezing folds them).
+    run_pipeline(amp_gm, policy, config, check=False, inference=inference, cache=False, freeze=False)
     if check:
         try:
             check_dtypes(amp_gm)

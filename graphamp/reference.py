@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.capture import ambient_autocast
 
-__all__ = ["eager_autocast_graph", "lowered_graph", "count_casts"]
+__all__ = ["eager_autocast_graph", "lowered_graph", "count_casts", "trace"]
 
 
 def count_casts(gm: torch.fx.GraphModule) -> int:
@@ -24,7 +24,8 @@ def count_casts(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default)
 
 
-def _trace(fn: Any, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+def trace(fn: Any, args: tuple, kwargs: dict, *, no_grad: bool = True) -> torch.fx.GraphModule:
+    """The post-dispatch graph of ``fn(*args, **kwargs)``, its tensor inputs as placeholders."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
 
@@ -35,7 +36,7 @@ def _trace(fn: Any, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
         a, k = pytree.tree_unflatten(filled, spec)
         return pytree.tree_leaves(fn(*a, **k))
 
-    with torch.no_grad():
+    with torch.set_grad_enabled(not no_grad):
         # Real tensors: data-dependent Python branches (mask checks in HF models) read real values.
         return make_fx(flat_fn, _error_on_data_dependent_ops=False)(*[flat[i] for i in tensors])
 
@@ -47,10 +48,10 @@ def eager_autocast_graph(model: nn.Module, args: tuple, kwargs: dict | None, *, 
         with ambient_autocast(device_type, dtype):
             return model(*a, **k)
 
-    return _trace(run, args, kwargs or {})
+    return trace(run, args, kwargs or {})
 
 
 def lowered_graph(module: nn.Module, args: tuple, kwargs: dict | None) -> torch.fx.GraphModule:
     """The post-dispatch graph of a converted module, with autocast off."""
-    return _trace(module, args, kwargs or {})
+    return trace(module, args, kwargs or {})
 

@@ -48,6 +48,7 @@ from graphamp.passes._infra import short_dtype
 from graphamp.passes.cache_weights import WeightCache
 from graphamp.passes.check_dtypes import CAPTURED
 from graphamp.policy import get_policy
+from graphamp.reference import trace
 
 __all__ = ["verify", "Report", "OutputCheck", "Divergence", "OpSignature", "op_signatures", "first_divergence"]
 
@@ -415,17 +416,8 @@ def _origin(lowered: Node, amp: GraphModule) -> Node | None:
 
 
 def _trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> GraphModule:
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
-
-    def flat_fn(*vals: torch.Tensor) -> list:
-        filled = list(flat)
-        for i, v in zip(positions, vals):
-            filled[i] = v
-        a, k = pytree.tree_unflatten(filled, spec)
-        return pytree.tree_leaves(fn(*a, **k))
-
-    return make_fx(flat_fn, _error_on_data_dependent_ops=False)(*[flat[i] for i in positions])
+    # Grad mode stays as the caller set it (on): the reference must not take no_grad fast paths.
+    return trace(fn, args, kwargs, no_grad=not torch.is_grad_enabled())
 
 
 def _eager_graph(model: nn.Module, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype) -> GraphModule:

@@ -89,32 +89,27 @@ class InPlace(nn.Module):
         return h, y, acc, z
 
 
-class _MatMulFp32(torch.autograd.Function):
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a.mm(b)
+def _matmul_function(**custom_fwd_kwargs):
+    """An autograd.Function computing a @ b under torch.amp.custom_fwd(**custom_fwd_kwargs)."""
 
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        return grad.mm(b.t()), a.t().mm(grad)
+    class MatMul(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu", **custom_fwd_kwargs)
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a.mm(b)
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            return grad.mm(b.t()), a.t().mm(grad)
+
+    return MatMul
 
 
-class _MatMulAmbient(torch.autograd.Function):
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu")
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a.mm(b)
-
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        return grad.mm(b.t()), a.t().mm(grad)
+_MatMulFp32 = _matmul_function(cast_inputs=torch.float32)
+_MatMulAmbient = _matmul_function()
 
 
 class CustomFwd(nn.Module):

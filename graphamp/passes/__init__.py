@@ -29,13 +29,14 @@ __all__ = [
 
 
 def run_pipeline(
-    gm: GraphModule, policy: Policy, config: Config, *, check: bool, inference: bool = False, cache: bool = True
+    gm: GraphModule, policy: Policy, config: Config, *, check: bool, inference: bool = False, cache: bool = True,
+    freeze: bool | None = None,
 ) -> GraphModule:
     """Run the rewrite on a captured graph.
 
     ``check`` compares every dtype with eager's; ``inference`` declares no gradient will ever be
-    taken (casts are shared freely and weights frozen to low precision); ``cache`` keeps weights'
-    low-precision copies across calls.
+    taken (casts are shared freely and, unless ``freeze=False``, weights frozen to low precision);
+    ``cache`` keeps weights' low-precision copies across calls.
     """
     record_dtypes(gm)
     inline_regions(gm)
@@ -45,7 +46,7 @@ def run_pipeline(
     fold_casts(gm, no_grad=inference)
     if check:
         check_dtypes(gm)
-    if inference:
+    if inference if freeze is None else freeze:
         freeze_weights(gm)
     if cache:
         cache_weights(gm)
