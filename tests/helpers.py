@@ -108,3 +108,22 @@ def targets(gm: torch.fx.GraphModule) -> list:
 
 def casts(gm: torch.fx.GraphModule) -> list:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default]
+
+
+def matmul_function(**custom_fwd_kwargs):
+    """An autograd.Function computing a @ b under torch.amp.custom_fwd(**custom_fwd_kwargs)."""
+
+    class MatMul(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu", **custom_fwd_kwargs)
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a.mm(b)
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            return grad.mm(b.t()), a.t().mm(grad)
+
+    return MatMul

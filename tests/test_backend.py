@@ -23,7 +23,7 @@ import graphamp
 from graphamp.backend import BackendOptions, graphamp_backend, rewrite
 from graphamp.policy import get_policy
 from conftest import build_case
-from helpers import _loss, assert_same_grads, assert_same_outputs, float_leaves, run_eager
+from helpers import _loss, assert_same_grads, assert_same_outputs, float_leaves, matmul_function, run_eager
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 EAGER = {"inner": "eager"}
@@ -281,18 +281,7 @@ def test_dtype_defaults_to_the_ambient_autocast_dtype():
 
 # Regions in forward, grad-mode regions, custom Functions, graph breaks.
 
-class MatMul(torch.autograd.Function):
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a.mm(b)
-
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        return grad.mm(b.t()), a.t().mm(grad)
+MatMul = matmul_function(cast_inputs=torch.float32)
 
 
 class Regions(nn.Module):

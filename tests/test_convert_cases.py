@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphamp
-from helpers import assert_exact
+from helpers import assert_exact, matmul_function
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 
@@ -89,27 +89,8 @@ class InPlace(nn.Module):
         return h, y, acc, z
 
 
-def _matmul_function(**custom_fwd_kwargs):
-    """An autograd.Function computing a @ b under torch.amp.custom_fwd(**custom_fwd_kwargs)."""
-
-    class MatMul(torch.autograd.Function):
-        @staticmethod
-        @torch.amp.custom_fwd(device_type="cpu", **custom_fwd_kwargs)
-        def forward(ctx, a, b):
-            ctx.save_for_backward(a, b)
-            return a.mm(b)
-
-        @staticmethod
-        @torch.amp.custom_bwd(device_type="cpu")
-        def backward(ctx, grad):
-            a, b = ctx.saved_tensors
-            return grad.mm(b.t()), a.t().mm(grad)
-
-    return MatMul
-
-
-_MatMulFp32 = _matmul_function(cast_inputs=torch.float32)
-_MatMulAmbient = _matmul_function()
+_MatMulFp32 = matmul_function(cast_inputs=torch.float32)
+_MatMulAmbient = matmul_function()
 
 
 class CustomFwd(nn.Module):
