@@ -20,6 +20,7 @@ and dtypes are compared, values are not (the report says so).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -37,6 +38,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphamp.capture import ambient_autocast, capture
 from graphamp.config import Config
@@ -50,7 +52,7 @@ from graphamp.passes.check_dtypes import CAPTURED
 from graphamp.policy import get_policy
 from graphamp.reference import trace
 
-__all__ = ["verify", "Report", "OutputCheck", "Divergence", "OpSignature", "op_signatures", "first_divergence"]
+__all__ = ["verify", "Report", "OutputCheck", "GradCheck", "Divergence", "GradDivergence", "OpSignature", "op_signatures", "first_divergence"]
 
 aten = torch.ops.aten
 
@@ -134,6 +136,59 @@ def _call(op: str | None, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> 
 
 
 @dataclasses.dataclass(frozen=True)
+class GradCheck:
+    """One gradient with ``grads=True``: a parameter's or a floating input's, converted against eager."""
+
+    name: str  # the parameter's qualified name, or the input's place: "args[0]", "kwargs['pixel_values']"
+    kind: str  # "param" or "input"
+    dtype: str | None  # None when the converted side produced no gradient
+    eager_dtype: str | None
+    bitwise_equal: bool
+    max_abs: float | None  # None when one side has no gradient or the shapes differ
+    max_rel: float | None  # max |got - eager| / max |eager|
+    sqnr_db: float | None
+
+    @property
+    def ok(self) -> bool:
+        return self.bitwise_equal
+
+
+@dataclasses.dataclass(frozen=True)
+class GradDivergence:
+    """Where the backward first departs from eager's, walking from the outputs toward the inputs.
+
+    ``node`` is the converted graph's node whose output gradient is the first (in backward order)
+    to differ from eager's gradient of the same value. Its own backward has not run yet at that
+    point: the difference comes from the backward of one of its ``consumers``.
+    """
+
+    node: str | None  # None when the differing gradients could not be tied to an aligned op
+    target: str | None  # the node's op, e.g. "aten.linear.default"
+    op: str | None  # the lowered ATen op whose output gradient differs
+    index: int | None  # position of that op in the converted side's sequence of compute ops
+    module_path: str | None
+    module_type: str | None
+    reason: str | None  # graphamp's recorded decision for the node's dtype
+    max_abs: float | None  # max |grad - eager grad| of that output
+    consumers: tuple[str, ...] = ()  # compute nodes reading the value (casts and views followed)
+    consumer_modules: tuple[str, ...] = ()  # their module paths, in the same order
+
+    def describe(self) -> str:
+        if self.node is None:
+            return "gradients differ, but no aligned forward op has a differing output gradient (see the gradient lines)"
+        where = f"node {self.node} ({self.target})"
+        if self.module_path is not None:
+            where += f" in module {self.module_path or '<root>'} ({self.module_type})"
+        lines = [f"first divergent gradient in backward order: output of {where}, op #{self.index} {self.op}, max|err| {self.max_abs:.3g}"]
+        if self.consumers:
+            read_by = ", ".join(f"{c} ({m or '<root>'})" for c, m in zip(self.consumers, self.consumer_modules))
+            lines.append(f"  its gradient comes from the backward of: {read_by}")
+        if self.reason:
+            lines.append(f"  graphamp's decision: {self.reason}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
 class Report:
     """What :func:`verify` found. ``ok`` means equivalent; ``str(report)`` is a readable summary.
 
@@ -157,10 +212,17 @@ class Report:
     ops: dict[str, int]  # compute ops on each side, and how many aligned with equal signatures
     casts: dict[str, int]  # casts executed in one forward, on each side
     notes: tuple[str, ...] = ()
+    # With grads=True: every parameter's and floating input's gradient of a fixed loss, and
+    # where the backward first diverges (None when the gradients agree).
+    grads_compared: bool = False
+    grads: tuple[GradCheck, ...] = ()
+    grad_divergence: GradDivergence | None = None
 
     @property
     def ok(self) -> bool:
         if not (self.output_structure_match and all(o.ok for o in self.outputs)):
+            return False
+        if not all(g.ok for g in self.grads):
             return False
         if self.divergence is None:
             return True
@@ -197,10 +259,25 @@ class Report:
             lines.extend("  " + line for line in self.divergence.describe().splitlines())
         if self.structure_differences:
             lines.append(f"  runs of ops present on one side only: {self.structure_differences}")
+        if self.grads_compared:
+            lines.extend(self._grad_lines())
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
     __str__ = summary
+
+    def _grad_lines(self) -> list[str]:
+        params = sum(g.kind == "param" for g in self.grads)
+        differ = [g for g in self.grads if not g.ok]
+        verdict = f"{len(differ)} NOT bitwise equal" if differ else "all bitwise equal"
+        lines = [
+            f"  gradients: {len(self.grads)} compared ({params} parameters, {len(self.grads) - params} floating inputs) "
+            f"of a fixed loss (each float output weighted by linspace(-1, 1), summed in fp32): {verdict}"
+        ]
+        lines.extend("    " + _grad_line(g) for g in differ)
+        if self.grad_divergence is not None:
+            lines.extend("  " + line for line in self.grad_divergence.describe().splitlines())
+        return lines
 
 
 def _output_line(o: OutputCheck) -> str:
@@ -215,6 +292,17 @@ def _output_line(o: OutputCheck) -> str:
     if o.max_abs_error is not None:
         verdict += f", max|err| {o.max_abs_error:.3g}, rel {o.max_rel_error:.3g}, SQNR {o.sqnr_db:.1f} dB"
     return f"{head} {verdict}"
+
+
+def _grad_line(g: GradCheck) -> str:
+    head = f"{g.kind} {g.name}: {g.dtype or '(no gradient)'}"
+    if g.dtype != g.eager_dtype:
+        head += f" (eager {g.eager_dtype or 'no gradient'})"
+    if g.bitwise_equal:
+        return f"{head} bitwise equal"
+    if g.max_abs is None:
+        return f"{head} NOT equal"
+    return f"{head} NOT equal, max|err| {g.max_abs:.3g}, rel {g.max_rel:.3g}, SQNR {g.sqnr_db:.1f} dB"
 
 
 def _json_safe(value: Any) -> Any:
@@ -491,18 +579,24 @@ def _compare_leaf(index: int, path: str, got: Any, want: Any, values: bool) -> O
     if not shape_match:
         return OutputCheck(index, path, short_dtype(got.dtype), short_dtype(want.dtype), dtype_match, False, False, None, None, None)
     equal = dtype_match and (torch.equal(got, want) or _equal_nan(got, want))
-    abs_err = rel_err = sqnr = None
-    if got.dtype != torch.bool and not got.is_complex() and not want.is_complex():
-        a, b = got.double(), want.double()
-        finite = torch.isfinite(a) & torch.isfinite(b)
-        diff = (a - b)[finite].abs()
-        abs_err = diff.max().item() if diff.numel() else 0.0
-        scale = b[finite].abs().max().item() if diff.numel() else 0.0
-        rel_err = abs_err / scale if scale > 0 else (0.0 if abs_err == 0 else math.inf)
-        noise = diff.square().sum().item()
-        signal = b[finite].square().sum().item()
-        sqnr = math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
+    abs_err, rel_err, sqnr = _errors(got, want)
     return OutputCheck(index, path, short_dtype(got.dtype), short_dtype(want.dtype), dtype_match, True, equal, abs_err, rel_err, sqnr)
+
+
+def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float | None, float | None, float | None]:
+    """Max abs error, max abs error relative to max |want|, and SQNR in dB, over finite elements."""
+    if got.dtype == torch.bool or got.is_complex() or want.is_complex():
+        return None, None, None
+    a, b = got.double(), want.double()
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    diff = (a - b)[finite].abs()
+    abs_err = diff.max().item() if diff.numel() else 0.0
+    scale = b[finite].abs().max().item() if diff.numel() else 0.0
+    rel_err = abs_err / scale if scale > 0 else (0.0 if abs_err == 0 else math.inf)
+    noise = diff.square().sum().item()
+    signal = b[finite].square().sum().item()
+    sqnr = math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
+    return abs_err, rel_err, sqnr
 
 
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -575,6 +669,256 @@ def _run_fake_cuda(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dty
     return _Sides(amp, out, ref, graphamp_graph, eager_graph, notes)
 
 
+# -- gradients ----------------------------------------------------------------------------------
+
+# The fixed scalar both sides backpropagate with grads=True (see _loss).
+LOSS = "sum_i (i + 1) * (out_i.float() * linspace(-1, 1)).sum() over the float outputs out_i"
+
+
+def _loss(out: Any) -> torch.Tensor:
+    # Position-dependent weights give every output element a distinct gradient, so a gradient
+    # that lands in the wrong place, or is summed in another order, shows.
+    total = torch.zeros((), dtype=torch.float32)
+    floats = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    for i, t in enumerate(floats):
+        w = torch.linspace(-1, 1, t.numel(), dtype=torch.float32, device=t.device).reshape(t.shape) * (i + 1)
+        total = total + (t.float() * w).sum()
+    return total
+
+
+def _grad_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tuple[str, torch.Tensor]]]:
+    """The inputs with each floating tensor replaced by a fresh leaf copy that requires grad."""
+    leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
+    filled, named = [], []
+    for path, value in leaves:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            value = value.detach().clone().requires_grad_(True)
+            named.append((("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:]), value))
+        filled.append(value)
+    a, k = pytree.tree_unflatten(filled, spec)
+    return a, k, named
+
+
+def _writes(op: torch._ops.OpOverload) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+class _Record(NamedTuple):
+    op: str  # as in op_signatures, so the two sides align as the forward check aligns them
+    outputs: tuple[torch.Tensor | None, ...]  # None where the op's output gradient cannot be read
+    versions: tuple[int, ...]
+    node: Node | None  # the converted graph's node running when the op ran (converted side only)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records every compute op (as :func:`op_signatures` counts them) with its output tensors.
+
+    Below autograd, an op's output is the very tensor autograd then attaches its history to, so
+    after the forward its gradient can be asked for. An output that a later in-place op writes
+    (its version moves) no longer holds the op's value, and is dropped.
+    """
+
+    def __init__(self, where: Callable[[], Node | None] = lambda: None) -> None:
+        super().__init__()
+        self.where = where
+        self.records: list[_Record] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if isinstance(func, torch._ops.OpOverload) and not _is_passthrough(func):
+            inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if any(t.is_floating_point() for t in [*inputs, *outputs]):
+                fresh = not _writes(func)
+                kept = tuple(
+                    t if fresh and t.is_floating_point() and not any(t is i for i in inputs) else None for t in outputs
+                )
+                versions = tuple(t._version if t is not None else 0 for t in kept)
+                self.records.append(_Record(_op_name(func), kept, versions, self.where()))
+        return out
+
+    def observable(self) -> list[tuple[int, int, torch.Tensor]]:
+        """(record, output, tensor) for every recorded output whose gradient autograd can give."""
+        return [
+            (r, j, t)
+            for r, rec in enumerate(self.records)
+            for j, (t, v) in enumerate(zip(rec.outputs, rec.versions))
+            if t is not None and t.requires_grad and t._version == v
+        ]
+
+
+class _NodeInterpreter(torch.fx.Interpreter):
+    """Runs a converted module node by node, remembering which node is running."""
+
+    current: Node | None = None
+
+    def run_node(self, n: Node) -> Any:
+        self.current = n
+        return super().run_node(n)
+
+
+class _GradRun(NamedTuple):
+    params: dict[str, torch.Tensor | None]
+    inputs: dict[str, torch.Tensor | None]
+    values: dict[tuple[int, int], torch.Tensor]  # (record, output) -> gradient of that op output
+    records: list[_Record]
+
+
+def _grad_run(call: Callable[[tuple, dict], Any], model: nn.Module, args: tuple, kwargs: dict, recorder: _OpRecorder | None = None) -> _GradRun:
+    """One forward of ``call`` and the gradients of :func:`_loss`, leaving every ``.grad`` alone."""
+    a, k, inputs = _grad_inputs(args, kwargs)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with recorder if recorder is not None else contextlib.nullcontext():
+        out = call(a, k)
+    loss = _loss(out)
+    observed = recorder.observable() if recorder is not None else []
+    wrt = [p for _, p in params] + [t for _, t in inputs] + [t for *_, t in observed]
+    # autograd.grad, not backward(): the caller's .grad fields (and the model's) stay untouched.
+    grads = list(torch.autograd.grad(loss, wrt, allow_unused=True)) if loss.requires_grad and wrt else [None] * len(wrt)
+    n, m = len(params), len(inputs)
+    return _GradRun(
+        params={name: g for (name, _), g in zip(params, grads[:n])},
+        inputs={name: g for (name, _), g in zip(inputs, grads[n : n + m])},
+        values={(r, j): g for (r, j, _), g in zip(observed, grads[n + m :]) if g is not None},
+        records=recorder.records if recorder is not None else [],
+    )
+
+
+def _grad_check(name: str, kind: str, got: torch.Tensor | None, want: torch.Tensor | None) -> GradCheck:
+    dtype = short_dtype(got.dtype) if got is not None else None
+    eager_dtype = short_dtype(want.dtype) if want is not None else None
+    if got is None or want is None or got.shape != want.shape:
+        return GradCheck(name, kind, dtype, eager_dtype, False, None, None, None)
+    equal = got.dtype == want.dtype and (torch.equal(got, want) or _equal_nan(got, want))
+    return GradCheck(name, kind, dtype, eager_dtype, equal, *_errors(got, want))
+
+
+def _grad_checks(got: _GradRun, want: _GradRun) -> tuple[GradCheck, ...]:
+    checks = []
+    for kind, g, w in (("param", got.params, want.params), ("input", got.inputs, want.inputs)):
+        for name in w:
+            if g.get(name) is None and w[name] is None:
+                continue  # neither side reaches it: nothing to compare
+            checks.append(_grad_check(name, kind, g.get(name), w[name]))
+    return tuple(checks)
+
+
+def _first_divergent_gradient(got: _GradRun, want: _GradRun) -> tuple[tuple[int, int, float] | None, list[str], list[str]]:
+    """The converted side's (record, output, max abs error) latest in forward order whose gradient
+    differs, and the ops that ran on one side only (converted, eager)."""
+    matcher = difflib.SequenceMatcher(None, [r.op for r in got.records], [r.op for r in want.records], autojunk=False)
+    latest = None
+    only_got: list[str] = []
+    only_want: list[str] = []
+    for tag, g1, g2, e1, e2 in matcher.get_opcodes():
+        if tag != "equal":
+            only_got += [r.op for r in got.records[g1:g2]]
+            only_want += [r.op for r in want.records[e1:e2]]
+            continue
+        for k in range(g2 - g1):
+            for j in range(len(got.records[g1 + k].outputs)):
+                g, w = got.values.get((g1 + k, j)), want.values.get((e1 + k, j))
+                if g is None or w is None or g.shape != w.shape:
+                    continue  # not observable on both sides: no verdict either way
+                if g.dtype == w.dtype and (torch.equal(g, w) or _equal_nan(g, w)):
+                    continue
+                if latest is None or g1 + k > latest[0]:
+                    latest = (g1 + k, j, _errors(g, w)[0] or math.inf)
+                break
+    return latest, only_got, only_want
+
+
+def _grad_divergence(got: _GradRun, want: _GradRun) -> tuple[GradDivergence, list[str]]:
+    found, only_got, only_want = _first_divergent_gradient(got, want)
+    notes = []
+    if only_got or only_want:
+        # The forward check traces eager as torch.export sees it; this run is plain eager, where
+        # model code that branches on torch.compiler.is_exporting() can take another path.
+        notes.append(
+            f"gradient localisation: in plain eager, {len(only_got)} op(s) ran only in graphamp "
+            f"({', '.join(dict.fromkeys(only_got)) or '-'}) and {len(only_want)} only in eager "
+            f"({', '.join(dict.fromkeys(only_want)) or '-'}); model code may branch on torch.compiler.is_exporting()"
+        )
+    if found is None:
+        return GradDivergence(None, None, None, None, None, None, None, None), notes
+    index, _, max_abs = found
+    record = got.records[index]
+    node = record.node
+    path, type_ = _module_of(node)
+    consumers = _consumers(node) if node is not None else []
+    return GradDivergence(
+        node=node.name if node is not None else None,
+        target=str(node.target) if node is not None else None,
+        op=record.op,
+        index=index,
+        module_path=path,
+        module_type=_type_name(type_) if type_ is not None else None,
+        reason=node.meta.get("graphamp", {}).get("reason") if node is not None else None,
+        max_abs=max_abs,
+        consumers=tuple(c.name for c in consumers),
+        consumer_modules=tuple(_module_of(c)[0] or "" for c in consumers),
+    ), notes
+
+
+def _module_of(node: Node | None) -> tuple[str | None, Any]:
+    stack = list((node.meta.get("nn_module_stack") or {}).values()) if node is not None else []
+    return stack[-1] if stack else (None, None)
+
+
+def _consumers(node: Node) -> list[Node]:
+    """The nodes that compute on ``node``'s value, casts, views and getitems followed through."""
+    found: list[Node] = []
+    seen: set[Node] = set()
+    pending = list(node.users)
+    while pending:
+        user = pending.pop(0)
+        if user in seen:
+            continue
+        seen.add(user)
+        relabels = user.op == "call_function" and (
+            user.target is operator.getitem or _is_passthrough(user.target) or user.meta.get("graphamp", {}).get("cast")
+        )
+        if relabels:
+            pending.extend(user.users)
+        else:
+            found.append(user)
+    return found
+
+
+def _check_grads(model: nn.Module, amp: AmpModule, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype) -> tuple[tuple[GradCheck, ...], GradDivergence | None, list[str]]:
+    def eager(a: tuple, k: dict) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return model(*a, **k)
+
+    interpreter = _NodeInterpreter(amp)
+    in_spec = amp.graph._codegen.pytree_info.in_spec
+
+    def converted_by_node(a: tuple, k: dict) -> Any:
+        flat = fx_pytree.tree_flatten_spec((a, k), in_spec)
+        return amp.graph.process_outputs(interpreter.run(*flat, enable_io_processing=False))
+
+    devices = [torch.device(device_type, i) for i in range(torch.cuda.device_count())] if device_type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        state = _rng_state(device_type)
+        want = _grad_run(eager, model, args, kwargs)
+        _set_rng_state(device_type, state)
+        got = _grad_run(lambda a, k: amp(*a, **k), model, args, kwargs)
+        checks = _grad_checks(got, want)
+        if not checks:
+            return checks, None, ["grads=True: no gradient to compare (no parameter requires grad, no input is a floating tensor)"]
+        if all(c.ok for c in checks):
+            return checks, None, []
+        # Localise: again, this time recording every op's output on both sides, the converted
+        # side run node by node so each op is tied to the node that ran it.
+        _set_rng_state(device_type, state)
+        want = _grad_run(eager, model, args, kwargs, _OpRecorder())
+        _set_rng_state(device_type, state)
+        got = _grad_run(converted_by_node, model, args, kwargs, _OpRecorder(lambda: interpreter.current))
+    divergence, notes = _grad_divergence(got, want)
+    return checks, divergence, notes
+
+
 def verify(
     model: nn.Module,
     args: tuple = (),
@@ -584,6 +928,7 @@ def verify(
     device_type: str | None = None,
     mode: str = "exact",
     config: Config | None = None,
+    grads: bool = False,
 ) -> Report:
     """Convert ``model`` and check the result against eager ``torch.autocast`` on the same inputs.
 
@@ -592,10 +937,20 @@ def verify(
     the same random state. ``device_type="cuda"`` with a model on the CPU checks the CUDA policy
     on fake CUDA tensors, with no GPU: ops and dtypes are compared, values are not.
 
+    ``grads=True`` also backpropagates a fixed loss (:data:`LOSS`: every float output weighted
+    by ``linspace(-1, 1)``, summed in fp32) through both sides, from the same random state, and
+    compares the gradient of every parameter that requires grad and of every floating input
+    (each side gets its own leaf copy that requires grad). ``.grad`` fields are left untouched.
+    When gradients differ, both sides run once more recording every op's output, and the
+    report names the first node, walking back from the outputs, whose output gradient differs
+    from eager's (``report.grad_divergence``). Gradients need real tensors: with fake CUDA
+    (``device_type="cuda"`` without a GPU) ``grads=True`` raises ``ValueError``.
+
     Returns:
         A :class:`Report`: per output dtype match, bitwise equality, max abs and relative error
         and SQNR; the first divergent node of the converted graph (op, dtype histories of its
-        inputs on both sides, module path, graphamp's reason); cast counts on both sides.
+        inputs on both sides, module path, graphamp's reason); cast counts on both sides; with
+        ``grads=True``, per gradient the same errors, and the first divergent backward node.
 
     >>> class Block(nn.Module):
     ...     def __init__(self):
@@ -608,6 +963,8 @@ def verify(
     >>> wrong = Config(op_overrides={"layer_norm": "lower_precision_fp"})
     >>> report = verify(model, (x,), dtype=torch.float16, config=wrong)
     >>> assert not report.ok and (report.divergence.node, report.divergence.module_path) == ("layer_norm", "0.norm")
+    >>> report = verify(model, (x,), grads=True)
+    >>> assert report.ok and [g.name for g in report.grads][-2:] == ["0.norm.bias", "args[0]"]
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"graphamp.verify expects a torch.nn.Module, got {type(model).__name__}")
@@ -617,21 +974,34 @@ def verify(
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of example keyword inputs, got {type(kwargs).__name__}")
+    if not isinstance(grads, bool):
+        raise TypeError(f"grads must be True or False, got {grads!r}")
     args, kwargs = tuple(args), dict(kwargs or {})
     device_type = resolve_device_type(device_type, model, (args, kwargs))
     dtype = resolve_dtype(dtype, device_type)
     fake = device_type == "cuda" and not _uses_real_cuda(model, (args, kwargs))
+    if fake and grads:
+        raise ValueError(
+            "graphamp.verify(grads=True) needs real tensors, and device_type='cuda' with no GPU runs "
+            "both sides on fake CUDA tensors, which carry no values and cannot require grad (autograd "
+            "over them aborts the process). Way out: check gradients with device_type='cpu' (the CPU "
+            "policy), or on a machine with a GPU; check the CUDA policy's ops and dtypes with grads=False."
+        )
+    grad_checks: tuple[GradCheck, ...] = ()
+    grad_divergence, grad_notes = None, []
     with _autocast_off():
         if fake:
             sides = _run_fake_cuda(model, args, kwargs, dtype, mode, config)
         else:
             sides = _run_real(model, args, kwargs, dtype, device_type, mode, config)
+            if grads:
+                grad_checks, grad_divergence, grad_notes = _check_grads(model, sides.amp, args, kwargs, device_type, dtype)
     graphamp_ops = op_signatures(sides.graphamp_graph)
     eager_ops = op_signatures(sides.eager_graph)
     scan = _scan(graphamp_ops, eager_ops)
     where = scan.dtype or scan.structure
     outputs, same_structure = _compare_outputs(sides.out, sides.ref, values=not fake)
-    notes = list(sides.notes)
+    notes = list(sides.notes) + grad_notes
     if scan.dtype is None and scan.structure is not None and not fake:
         notes.append(
             f"{scan.structure_blocks} run(s) of ops appear on one side only (a composite decomposed "
@@ -650,5 +1020,8 @@ def verify(
         ops={"graphamp": len(graphamp_ops), "eager": len(eager_ops), "matched": scan.matched},
         casts={"graphamp": _count_casts(sides.graphamp_graph), "eager": _count_casts(sides.eager_graph)},
         notes=tuple(notes),
+        grads_compared=grads,
+        grads=grad_checks,
+        grad_divergence=grad_divergence,
     )
 

@@ -258,13 +258,43 @@ def build(name: str, seed: int = 0) -> Case:
     if name in MODELS:
         return MODELS[name](seed)
     if ":" in name:
-        import importlib
-
-        module_name, _, attr = name.partition(":")
-        made = getattr(importlib.import_module(module_name), attr)()
-        if isinstance(made, Case):
-            return made
-        model, args, *rest = made
-        kwargs = rest[0] if rest else {}
-        return Case(name, model, lambda b, s: (args, kwargs))
+        return _from_factory(name)
     raise ValueError(f"unknown model {name!r}; built-in models: {', '.join(MODELS)}, or module:factory")
+
+
+def _from_factory(spec: str) -> Case:
+    import importlib
+    import os
+    import sys
+
+    module_name, _, attr = spec.partition(":")
+    # The graphamp console script's sys.path starts at its own bin/ directory, not at the working
+    # directory as under python -m: look there too, so a project's module:factory loads as documented.
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+                raise  # the module exists; something it imports does not
+            raise ValueError(
+                f"model {spec!r}: no module {module_name!r} in the working directory or on sys.path. "
+                "Way out: run from the directory that holds it, or add that directory to PYTHONPATH."
+            ) from e
+        factory = getattr(module, attr, None)
+        if not callable(factory):
+            raise ValueError(f"model {spec!r}: module {module_name!r} has no callable {attr!r}")
+        made = factory()
+    finally:
+        if added:
+            sys.path.remove(cwd)
+    if isinstance(made, Case):
+        return made
+    if not (isinstance(made, (tuple, list)) and len(made) in (2, 3) and isinstance(made[0], nn.Module)):
+        raise TypeError(f"model {spec!r}: the factory must return a zoo.Case or (model, args[, kwargs]), got {type(made).__name__}")
+    model, args, *rest = made
+    kwargs = rest[0] if rest else {}
+    return Case(spec, model, lambda b, s: (args, kwargs))

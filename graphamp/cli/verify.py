@@ -12,13 +12,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "verify",
         help="convert a model and check it against eager autocast, op by op (exit 1 on divergence)",
         description="Convert a model with graphamp and compare it with eager torch.autocast: output "
-        "dtypes and values, and the sequence of (op, input dtypes, output dtype). "
+        "dtypes and values, and the sequence of (op, input dtypes, output dtype); with --grads, every "
+        "gradient too. Exit status 0 when all are bitwise equal, 1 otherwise. "
         "--device-type cuda without a GPU runs both sides on fake CUDA tensors (values not compared).",
     )
     p.add_argument("--model", required=True, help="built-in model name (graphamp.zoo) or module:factory")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default=None, help="default: autocast's default for the device (cpu bf16, cuda fp16)")
     p.add_argument("--device-type", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--train", action="store_true", help="verify in training mode (default: eval)")
+    p.add_argument(
+        "--grads", action="store_true",
+        help="also backpropagate a fixed loss through both sides and compare every parameter's and "
+        "floating input's gradient, naming the first divergent backward node (needs --device-type cpu, or a GPU)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.set_defaults(func=main)
 
@@ -30,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
     case = zoo.build(args.model)
     model = case.model.train(args.train)
     inputs, kwargs = case.inputs
-    report = graphamp.verify(model, inputs, kwargs, dtype=args.dtype, device_type=args.device_type)
+    report = graphamp.verify(model, inputs, kwargs, dtype=args.dtype, device_type=args.device_type, grads=args.grads)
     print(report)
     if args.json:
         report.to_json(args.json)
