@@ -14,6 +14,8 @@ from graphamp.capture import ambient_autocast, capture
 from graphamp.config import Config
 from graphamp.emit import AmpModule, emit
 from graphamp.passes import run_pipeline
+from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
+from graphamp.probe import eager_sdpa_calls
 from graphamp.policy import DEVICE_TYPES, LOW_DTYPES, Policy, get_policy
 
 __all__ = ["convert", "MODES", "resolve_dtype", "resolve_device_type"]
@@ -72,6 +74,16 @@ def _autocast_off() -> Iterator[None]:
             if torch.is_autocast_enabled(device_type):
                 stack.enter_context(ambient_autocast(device_type, torch.get_autocast_dtype(device_type), enabled=False))
         yield
+
+
+def observe_eager(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> None:
+    """Record in ``gm.meta`` what eager did where the traced graph may hold another program.
+
+    Only attention whose key/value heads the traced code repeats needs it (see
+    passes/follow_eager_attention.py); other models pay nothing.
+    """
+    if any(repeated_heads(n.args[1]) for n in gm.graph.find_nodes(op="call_function", target=SDPA)):
+        gm.meta[EAGER_SDPA] = eager_sdpa_calls(model, args, kwargs, device_type=device_type, dtype=dtype)
 
 
 def convert(
@@ -138,5 +150,6 @@ def convert(
 
     with _autocast_off():
         gm = capture(model, tuple(args), kwargs, device_type=device_type, dtype=dtype)
+        observe_eager(gm, model, tuple(args), kwargs, device_type=device_type, dtype=dtype)
         run_pipeline(gm, policy, config, check=mode == "exact" and config.is_default, inference=inference)
         return emit(gm, model, policy, mode, config, inference=inference, example=(tuple(args), kwargs))

@@ -9,6 +9,7 @@ from graphamp.passes.cache_weights import cache_weights, freeze_weights
 from graphamp.passes.check_dtypes import check_dtypes, record_dtypes
 from graphamp.passes.dedupe_casts import dedupe_casts
 from graphamp.passes.fold_casts import fold_casts
+from graphamp.passes.follow_eager_attention import follow_eager_attention
 from graphamp.passes.inline_regions import inline_regions
 from graphamp.passes.insert_casts import insert_casts
 from graphamp.passes.strip_asserts import strip_asserts
@@ -20,6 +21,7 @@ __all__ = [
     "freeze_weights",
     "dedupe_casts",
     "fold_casts",
+    "follow_eager_attention",
     "inline_regions",
     "insert_casts",
     "record_dtypes",
@@ -41,6 +43,7 @@ def run_pipeline(
     record_dtypes(gm)
     inline_regions(gm)
     strip_asserts(gm)
+    follow_eager_attention(gm)
     insert_casts(gm, policy, config)
     dedupe_casts(gm, no_grad=inference)
     fold_casts(gm, no_grad=inference)

@@ -1,0 +1,79 @@
+"""Observe eager autocast on the example inputs, for choices the traced graph cannot see.
+
+Model code may branch on whether it is being traced (``torch.compiler.is_compiling()``, a
+``FakeTensor`` check) and then run another, forward-equivalent program. The traced graph holds
+the traced program; where the two differ in gradient rounding, graphamp needs to know what eager
+did. The probe runs the model once, eagerly, under the same autocast, on the real example, and
+records only what the passes ask for. The model's buffers and the random state are restored
+afterwards, so the probe leaves no trace on the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["SdpaCall", "eager_sdpa_calls"]
+
+
+class SdpaCall(NamedTuple):
+    """One eager call of ``F.scaled_dot_product_attention``: whether key/value heads were grouped."""
+
+    enable_gqa: bool
+    kv_heads: int
+
+
+class _RecordSdpa(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[SdpaCall] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            key = args[1] if len(args) > 1 else kwargs["key"]
+            self.calls.append(SdpaCall(bool(kwargs.get("enable_gqa", False)), int(key.shape[-3]) if key.dim() >= 3 else 1))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _state_restored(model: nn.Module) -> Iterator[None]:
+    # A forward in training mode updates batch-norm statistics and draws dropout masks.
+    saved = {name: buf.clone() for name, buf in model.named_buffers()}
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, buf in model.named_buffers():
+                    if name in saved:
+                        buf.copy_(saved[name])
+
+
+def eager_sdpa_calls(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> list[SdpaCall] | None:
+    """The model's SDPA calls under eager autocast on this example, in order; None if it fails.
+
+    Runs without grad (the attention path does not depend on it, and no activations are kept).
+
+    >>> class Attn(nn.Module):
+    ...     def forward(self, q, k, v):
+    ...         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    >>> q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    >>> assert eager_sdpa_calls(Attn(), (q, kv, kv), {}, device_type="cpu", dtype=torch.bfloat16) == [SdpaCall(True, 2)]
+    """
+    from graphamp.capture import ambient_autocast
+
+    recorder = _RecordSdpa()
+    try:
+        with _state_restored(model), torch.no_grad(), ambient_autocast(device_type, dtype), recorder:
+            model(*args, **kwargs)
+    except Exception:
+        # The probe is advisory: a model that cannot run here keeps its traced attention.
+        return None
+    return recorder.calls
