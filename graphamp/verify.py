@@ -269,7 +269,7 @@ class Report:
     def _grad_lines(self) -> list[str]:
         params = sum(g.kind == "param" for g in self.grads)
         differ = [g for g in self.grads if not g.ok]
-        verdict = f"{len(differ)} NOT bitwise equal" if differ else "all bitwise equal"
+        verdict = f"{len(differ)} NOT bitwise equal" if differ else ("all bitwise equal" if self.grads else "nothing to compare")
         lines = [
             f"  gradients: {len(self.grads)} compared ({params} parameters, {len(self.grads) - params} floating inputs) "
             f"of a fixed loss (each float output weighted by linspace(-1, 1), summed in fp32): {verdict}"

@@ -1,6 +1,7 @@
 """graphamp.verify: reports on real and fake-CUDA runs, the first divergent node, JSON, the CLI."""
 
 import json
+import sys
 import types
 
 import pytest
@@ -244,3 +245,167 @@ def test_cli_exits_nonzero_on_divergence(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 1 and "DIVERGES" in out and "in module encoder (Encoder)" in out
     assert json.loads(path.read_text())["divergence"]["node"] == "softmax"
+
+
+# -- grads=True ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_grads_are_bitwise_on_a_small_model_and_leave_grad_fields_alone(dtype):
+    model, x = Net(), torch.randn(4, 5, 8)
+    model.head.weight.grad = torch.ones_like(model.head.weight)
+    report = graphamp.verify(model, (x,), dtype=dtype, grads=True)
+    assert report.ok and report.grads_compared and report.grad_divergence is None, str(report)
+    names = [g.name for g in report.grads]
+    assert names == [n for n, _ in model.named_parameters()] + ["args[0]"]
+    assert [g.kind for g in report.grads] == ["param"] * 6 + ["input"]
+    assert all(g.bitwise_equal and g.max_abs == 0.0 and g.sqnr_db == float("inf") and g.dtype == "fp32" for g in report.grads)
+    assert "7 compared (6 parameters, 1 floating inputs)" in str(report) and "all bitwise equal" in str(report)
+    # autograd.grad, not backward(): the model's .grad fields are as the caller left them.
+    assert torch.equal(model.head.weight.grad, torch.ones_like(model.head.weight)) and model.encoder.proj.weight.grad is None
+    assert not x.requires_grad
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_grads_are_bitwise_on_bert_in_train_mode(dtype):
+    case = build_case("bert", train=True)
+    args, kwargs = case.inputs
+    report = graphamp.verify(case.model, args, kwargs, dtype=dtype, grads=True)
+    assert report.ok, str(report)
+    trainable = [n for n, p in case.model.named_parameters() if p.requires_grad]
+    # Integer ids and mask: no input gradients; every parameter reached by the loss is compared.
+    assert {g.kind for g in report.grads} == {"param"} and len(report.grads) == len(trainable)
+    assert all(g.bitwise_equal for g in report.grads)
+
+
+class Fork(nn.Module):
+    """One fp32 activation read by two low-precision linears: eager casts it once per consumer."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.a(h) * self.b(h)
+
+
+def _share_activation_casts(monkeypatch):
+    """Make verify's conversions share one cast between all consumers of a value.
+
+    The forward is unchanged, but the backward then sums the consumers' gradients in low
+    precision before casting back, where eager casts each to fp32 and sums there.
+    """
+    verify_module = sys.modules["graphamp.verify"]
+    real_convert = verify_module.convert
+
+    def convert(*args, **kwargs):
+        amp = real_convert(*args, **kwargs)
+        first = {}
+        for node in list(amp.graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.aten._to_copy.default:
+                key = (node.args[0], node.kwargs.get("dtype"))
+                if key in first:
+                    node.replace_all_uses_with(first[key])
+                    amp.graph.erase_node(node)
+                else:
+                    first[key] = node
+        amp.recompile()
+        return amp
+
+    monkeypatch.setattr(verify_module, "convert", convert)
+
+
+def test_gradients_that_alone_differ_are_caught_and_localised(monkeypatch, tmp_path):
+    _share_activation_casts(monkeypatch)
+    report = graphamp.verify(Fork(), (torch.randn(4, 8),), grads=True)
+    assert not report.ok
+    assert report.outputs[0].bitwise_equal and report.divergence is None  # the forward is exact
+    assert report.casts["graphamp"] == report.casts["eager"] - 1
+    differ = {g.name for g in report.grads if not g.bitwise_equal}
+    assert differ == {"norm.weight", "norm.bias", "args[0]"}, str(report)
+    by_name = {g.name: g for g in report.grads}
+    assert 0 < by_name["norm.weight"].max_abs and 0 < by_name["norm.weight"].sqnr_db < float("inf")
+    d = report.grad_divergence
+    # Walking back from the output: the linears' output gradients agree; the layer_norm output's,
+    # the sum of both linears' backwards through the shared cast, is the first that differs.
+    assert (d.node, d.target, d.module_path, d.module_type) == ("layer_norm", "aten.layer_norm.default", "norm", "LayerNorm")
+    assert d.op == "aten.native_layer_norm.default" and d.max_abs > 0
+    assert d.consumers == ("linear", "linear_1") and d.consumer_modules == ("a", "b")
+    assert d.reason == "not on an autocast list"
+    text = str(report)
+    assert "first divergent gradient in backward order: output of node layer_norm" in text and "in module norm (LayerNorm)" in text
+    assert "its gradient comes from the backward of: linear (a), linear_1 (b)" in text
+    assert "param norm.weight: fp32 NOT equal" in text and "a.weight" not in text
+    data = json.loads(report.to_json(tmp_path / "r.json"))
+    assert data["ok"] is False and data["grads_compared"] is True
+    assert {g["name"]: g["bitwise_equal"] for g in data["grads"]} == {n: n not in differ for n in by_name}
+    assert data["grads"][-1]["kind"] == "input" and data["grad_divergence"]["module_path"] == "norm"
+
+
+def test_a_forward_divergence_shows_in_the_backward_at_the_same_node():
+    wrong = graphamp.Config(op_overrides={"layer_norm": "lower_precision_fp"})
+    report = graphamp.verify(Net(), (torch.randn(4, 5, 8),), dtype=torch.float16, config=wrong, grads=True)
+    assert not report.ok and report.divergence.node == "layer_norm"
+    assert not all(g.bitwise_equal for g in report.grads)
+    d = report.grad_divergence
+    # The head's gradient reaches the softmax unchanged; softmax's backward reads its (changed)
+    # output, so the layer_norm output's gradient is the first to differ.
+    assert (d.node, d.module_path, d.consumers) == ("layer_norm", "encoder.norm", ("softmax",))
+    assert "config override" in d.reason
+
+
+def test_grads_on_fake_cuda_raise_with_the_way_out():
+    with pytest.raises(ValueError, match="device_type='cpu'"):
+        graphamp.verify(Net(), (torch.randn(2, 8),), device_type="cuda", grads=True)
+    with pytest.raises(TypeError, match="grads"):
+        graphamp.verify(Net(), (torch.randn(2, 8),), grads="yes")
+
+
+def test_grads_with_nothing_to_differentiate_say_so():
+    report = graphamp.verify(nn.Embedding(10, 4).requires_grad_(False), (torch.tensor([1, 2]),), grads=True)
+    assert report.ok and report.grads == () and "no gradient to compare" in " ".join(report.notes)
+
+
+def test_cli_grads_exit_zero_when_bert_gradients_are_bitwise(tmp_path, capsys):
+    build_case("bert")  # skips without transformers
+    path = tmp_path / "bert.json"
+    code = main(["verify", "--model", "bert", "--train", "--grads", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "gradients: 39 compared (39 parameters, 0 floating inputs)" in out and "all bitwise equal" in out
+    data = json.loads(path.read_text())
+    assert len(data["grads"]) == 39 and all(g["bitwise_equal"] for g in data["grads"]) and data["grad_divergence"] is None
+
+
+def test_cli_grads_report_a_llama_with_grouped_query_attention(capsys):
+    pytest.importorskip("transformers")
+    code = main(["verify", "--model", "factories:llama", "--train", "--grads"])
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM cpu/bf16" in out and "gradients: 21 compared (21 parameters" in out
+    # Whether these gradients are bitwise is graphamp's business (issue 9), not verify's; verify
+    # must say which, and exit accordingly.
+    assert ("NOT bitwise equal" in out) == (code == 1) == ("first divergent gradient in backward order" in out)
+
+
+def test_cli_grads_exit_one_when_gradients_differ(monkeypatch, capsys):
+    _share_activation_casts(monkeypatch)
+    code = main(["verify", "--model", "test_verify:fork_factory", "--grads"])
+    out = capsys.readouterr().out
+    assert code == 1 and "in module norm (LayerNorm)" in out
+    assert main(["verify", "--model", "test_verify:fork_factory"]) == 0  # the forward alone is bitwise
+
+
+def fork_factory():
+    return Fork(), (torch.randn(4, 8),)
+
+
+def test_cli_model_factory_errors_say_the_way_out():
+    with pytest.raises(ValueError, match="PYTHONPATH"):
+        main(["verify", "--model", "no_such_module_here:factory"])
+    with pytest.raises(ValueError, match="no callable 'nope'"):
+        main(["verify", "--model", "test_verify:nope"])
+    with pytest.raises(TypeError, match=r"\(model, args\[, kwargs\]\)"):
+        main(["verify", "--model", "test_verify:Net"])
