@@ -671,11 +671,8 @@ def _run_fake_cuda(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dty
 
 # -- gradients ----------------------------------------------------------------------------------
 
-# The fixed scalar both sides backpropagate with grads=True (see _loss).
-LOSS = "sum_i (i + 1) * (out_i.float() * linspace(-1, 1)).sum() over the float outputs out_i"
-
-
 def _loss(out: Any) -> torch.Tensor:
+    """The fixed scalar both sides backpropagate: sum_i (i + 1) * (out_i.float() * linspace(-1, 1)).sum()."""
     # Position-dependent weights give every output element a distinct gradient, so a gradient
     # that lands in the wrong place, or is summed in another order, shows.
     total = torch.zeros((), dtype=torch.float32)
@@ -912,11 +909,25 @@ def _check_grads(model: nn.Module, amp: AmpModule, args: tuple, kwargs: dict, de
         # Localise: again, this time recording every op's output on both sides, the converted
         # side run node by node so each op is tied to the node that ran it.
         _set_rng_state(device_type, state)
-        want = _grad_run(eager, model, args, kwargs, _OpRecorder())
+        want_recorded = _grad_run(eager, model, args, kwargs, _OpRecorder())
         _set_rng_state(device_type, state)
-        got = _grad_run(converted_by_node, model, args, kwargs, _OpRecorder(lambda: interpreter.current))
-    divergence, notes = _grad_divergence(got, want)
+        got_recorded = _grad_run(converted_by_node, model, args, kwargs, _OpRecorder(lambda: interpreter.current))
+    divergence, notes = _grad_divergence(got_recorded, want_recorded)
+    if not (_same_grads(want_recorded, want) and _same_grads(got_recorded, got)):
+        notes.append(
+            "gradient localisation: the recorded runs' parameter and input gradients differ from the "
+            "plain runs' (the model's code sees the recording), so the node it names may be off"
+        )
     return checks, divergence, notes
+
+
+def _same_grads(a: _GradRun, b: _GradRun) -> bool:
+    pairs = [(a.params[n], b.params[n]) for n in b.params] + [(a.inputs[n], b.inputs[n]) for n in b.inputs]
+    return all(
+        (x is None and y is None)
+        or (x is not None and y is not None and x.dtype == y.dtype and x.shape == y.shape and (torch.equal(x, y) or _equal_nan(x, y)))
+        for x, y in pairs
+    )
 
 
 def verify(
@@ -937,8 +948,8 @@ def verify(
     the same random state. ``device_type="cuda"`` with a model on the CPU checks the CUDA policy
     on fake CUDA tensors, with no GPU: ops and dtypes are compared, values are not.
 
-    ``grads=True`` also backpropagates a fixed loss (:data:`LOSS`: every float output weighted
-    by ``linspace(-1, 1)``, summed in fp32) through both sides, from the same random state, and
+    ``grads=True`` also backpropagates a fixed loss (every float output weighted by
+    ``linspace(-1, 1)``, summed in fp32) through both sides, from the same random state, and
     compares the gradient of every parameter that requires grad and of every floating input
     (each side gets its own leaf copy that requires grad). ``.grad`` fields are left untouched.
     When gradients differ, both sides run once more recording every op's output, and the
