@@ -16,6 +16,7 @@ from graphamp.errors import (
     OptionError,
     PolicyDriftError,
     PromoteTypeError,
+    UnsupportedFunctionError,
 )
 from graphamp.policy import Category, Policy, get_policy
 from graphamp.train import TrainStep
@@ -35,6 +36,7 @@ __all__ = [
     "PromoteTypeError",
     "Report",
     "TrainStep",
+    "UnsupportedFunctionError",
     "convert",
     "get_policy",
     "verify",

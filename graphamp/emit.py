@@ -20,6 +20,7 @@ from graphamp.passes.dedupe_casts import autocast_cached
 from graphamp.passes._infra import attr_of, cast_source, short_dtype, tensor_dtype
 from graphamp.passes.inline_regions import set_grad_enabled
 from graphamp.policy import Policy
+from graphamp.runtime import apply_function
 
 __all__ = ["AmpModule", "AmpInfo", "InputGuard", "emit", "input_signature", "describe_signature"]
 
@@ -143,7 +144,7 @@ class _AmpTracer(torch.fx.Tracer):
     """Re-traces a saved AmpModule's code, keeping graphamp's grad-mode calls as nodes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("autowrap_functions", (set_grad_enabled, cached_cast, autocast_cached))
+        kwargs.setdefault("autowrap_functions", (set_grad_enabled, cached_cast, autocast_cached, apply_function))
         super().__init__(*args, **kwargs)
 
 

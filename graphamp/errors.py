@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError"]
 
 
 class GraphampError(Exception):
@@ -11,6 +11,11 @@ class GraphampError(Exception):
 
 class CaptureError(GraphampError, RuntimeError):
     """The model could not be captured as a graph."""
+
+
+class UnsupportedFunctionError(CaptureError):
+    """A custom ``torch.autograd.Function`` in the model cannot be kept whole with its own backward
+    (its forward does not run on fake tensors, or it hides tensors from graphamp)."""
 
 
 class BannedOpError(GraphampError, RuntimeError):
