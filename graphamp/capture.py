@@ -37,7 +37,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import PreDispatchTorchFunctionMode, track_tensor_tree
 from torch.utils import _pytree as pytree
 
-from graphamp.errors import BannedOpError, CaptureError, GraphampError, PromoteTypeError, UnsupportedFunctionError
+from graphamp.errors import BannedOpError, CaptureError, EagerPathWarning, GraphampError, PromoteTypeError, UnsupportedFunctionError
 from graphamp.runtime import KeptFunction, PartialTemplate, Slot, apply_function, current_autocast_state, qualified_name
 
 __all__ = ["capture", "ambient_autocast"]
@@ -113,21 +113,27 @@ def capture(
     Parameters and buffers are attributes of the returned module (the model's own objects),
     inputs and outputs keep their pytree structure, and batch/sequence dims are symbolic.
     """
-    keeper = _FunctionKeeper()
     try:
         dynamic_shapes = _dynamic_shapes(model, args, kwargs)
-        # backed_size_oblivious lets a dim traced at size >= 2 also accept size 1 at run time
-        # (batch 1 inference) instead of pinning the range to [2, inf).
-        with (
-            fx_config.patch(backed_size_oblivious=True),
-            ambient_autocast(device_type, dtype),
-            warnings.catch_warnings(),
-            _quiet_on_failure(),
-            keeper,
-        ):
-            # nn.RNN* re-assign _flat_weights during tracing; export warns about it, harmlessly.
-            warnings.filterwarnings("ignore", message=".*were assigned during export.*")
-            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        try:
+            ep, keeper = _export(model, args, kwargs, dynamic_shapes, device_type, dtype, eager_flags=True)
+        except GraphampError:
+            raise
+        except Exception as e:
+            if _is_autocast_rejection(e):
+                raise
+            # The model's eager path cannot be traced (it reads tensor values where its compile
+            # path does not): take the path torch.export and torch.compile take, and say so.
+            ep, keeper = _export(model, args, kwargs, dynamic_shapes, device_type, dtype, eager_flags=False)
+            warnings.warn(
+                f"graphamp traced {type(model).__name__} as torch.export sees it (torch.compiler."
+                "is_compiling() True), because its eager path could not be traced: "
+                f"{str(e).strip().splitlines()[0][:200]}. Where the model's code takes another "
+                "path when compiling, gradients (rarely values) may differ from eager autocast; "
+                "graphamp.verify(model, args, grads=True) checks it.",
+                EagerPathWarning,
+                stacklevel=3,
+            )
     except GraphampError:
         raise
     except Exception as e:
@@ -157,6 +163,59 @@ def capture(
     if keeper.kept:
         _bind_kept_functions(gm, keeper.kept)
     return gm
+
+
+def _is_autocast_rejection(e: BaseException) -> bool:
+    return "unsafe to autocast" in str(e) or "at::autocast::prioritize" in str(e)
+
+
+def _export(
+    model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, device_type: str, dtype: torch.dtype,
+    *, eager_flags: bool,
+) -> tuple[torch.export.ExportedProgram, _FunctionKeeper]:
+    keeper = _FunctionKeeper()
+    # backed_size_oblivious lets a dim traced at size >= 2 also accept size 1 at run time
+    # (batch 1 inference) instead of pinning the range to [2, inf).
+    with (
+        fx_config.patch(backed_size_oblivious=True),
+        ambient_autocast(device_type, dtype),
+        warnings.catch_warnings(),
+        _quiet_on_failure(),
+        _eager_flags(model) if eager_flags else contextlib.nullcontext(),
+        keeper,
+    ):
+        # nn.RNN* re-assign _flat_weights during tracing; export warns about it, harmlessly.
+        warnings.filterwarnings("ignore", message=".*were assigned during export.*")
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    return ep, keeper
+
+
+@contextlib.contextmanager
+def _eager_flags(model: nn.Module) -> Iterator[None]:
+    """Inside ``model``'s forward, ``torch.compiler.is_compiling()`` and ``is_exporting()`` say False.
+
+    Model code reads them to take another, forward-equivalent program when compiled
+    (transformers materialises attention masks and broadcasts position biases over the batch),
+    whose gradients round differently. graphamp's module replaces eager execution, so it traces
+    the eager program. Export's own machinery, outside the forward, still sees its flags.
+    """
+
+    def enter(module: nn.Module, args: Any) -> None:
+        saved.append((torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag))
+        torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = False
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if saved:
+            torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = saved.pop()
+
+    saved: list[tuple[bool, bool]] = []
+    # Hooks on the model for the duration of the capture only: they are removed before returning.
+    handles = [model.register_forward_pre_hook(enter, prepend=True), model.register_forward_hook(leave, always_call=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager

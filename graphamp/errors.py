@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError", "EagerPathWarning"]
 
 
 class GraphampError(Exception):
@@ -39,3 +39,9 @@ class InputMismatchError(GraphampError, ValueError):
 
 class OptionError(GraphampError, ValueError):
     """An option of ``torch.compile(backend="graphamp", options=...)`` is unknown or has a bad value."""
+
+
+class EagerPathWarning(UserWarning):
+    """The model's eager code chooses its program by tensor values, which one graph cannot: the
+    converted graph holds one choice (the example's, or the path torch.export takes), so inputs
+    that would take another path in eager may get gradients that round differently."""

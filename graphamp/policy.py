@@ -22,6 +22,7 @@ __all__ = [
     "DEVICE_TYPES",
     "LOW_DTYPES",
     "get_policy",
+    "lstm_uses_onednn",
     "op_key",
 ]
 
@@ -153,24 +154,39 @@ _EFFECTIVE = {
 # Unregistered RNN composites graphamp runs whole, as if listed, instead of decomposing them: their
 # decompositions unroll over time and pick kernels at run time, and for these the whole op on
 # inputs pre-cast to the low dtype is bitwise what eager's decomposition gives (its listed children
-# cast the same values and nothing in between promotes). rnn_tanh/rnn_relu always qualify;
-# nn.LSTM only where oneDNN runs it (bf16 with oneDNN on), since its native path promotes the
-# gates with an fp32 state. GRU's native path promotes likewise, so it is decomposed.
+# cast the same values and nothing in between promotes). nn.LSTM is not among them: eager runs it
+# on oneDNN or on native cells depending on its input (see lstm_uses_onednn), and graphamp
+# decomposes it along the same path. GRU's native path promotes like LSTM's, so it is decomposed.
 _OPAQUE_RNN = frozenset({"rnn_tanh.input", "rnn_tanh.data", "rnn_relu.input", "rnn_relu.data"})
 
 
 def _opaque(device_type: str, dtype: torch.dtype) -> Mapping[str, Category]:
     if device_type != "cpu":
         return MappingProxyType({})
-    names = set(_OPAQUE_RNN)
-    if dtype is torch.bfloat16 and _onednn_runs_bf16_lstm():
-        names.add("lstm.input")
-    return _table((frozenset(names), _L))
+    return _table((_OPAQUE_RNN, _L))
 
 
-def _onednn_runs_bf16_lstm() -> bool:
+def lstm_uses_onednn(input_dtype: torch.dtype, *, projections: bool, grad_enabled: bool) -> bool:
+    """Whether eager CPU ``aten::lstm`` runs oneDNN for this input (``use_mkldnn`` in RNN.cpp).
+
+    There it calls ``mkldnn_rnn_layer`` once per layer and direction, an op on the CPU
+    lower_precision_fp list, so autocast casts the input once per call; elsewhere it runs native
+    cells whose gates promote with the fp32 state. Both are read from torch's switches now.
+
+    >>> on = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    >>> assert lstm_uses_onednn(torch.float32, projections=False, grad_enabled=True) == on
+    >>> assert not lstm_uses_onednn(torch.float64, projections=False, grad_enabled=True)
+    """
     mkldnn = torch.backends.mkldnn
-    return bool(mkldnn.is_available() and mkldnn.enabled and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if projections or not (mkldnn.is_available() and mkldnn.enabled):
+        return False
+    if input_dtype is torch.float32:
+        return True
+    if input_dtype is torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if input_dtype is torch.float16:
+        return not grad_enabled and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
 
 
 # Redispatch targets of fp32_append_dtype ops (autocast_mode.cpp, KERNEL_DIFFERENT_REDISPATCH_SIGNATURE).

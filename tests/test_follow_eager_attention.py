@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch import nn
 
 import graphamp
@@ -19,7 +20,7 @@ def _repeat_kv(x: torch.Tensor) -> torch.Tensor:
 
 class GroupedAttention(nn.Module):
     """Grouped-query attention that, like transformers' SDPA integration, repeats the key/value
-    heads itself when traced but lets SDPA group them (``enable_gqa``) in eager."""
+    heads itself when traced (it sees fake tensors) but lets SDPA group them in eager."""
 
     def __init__(self, traced_differs: bool = True) -> None:
         super().__init__()
@@ -31,7 +32,7 @@ class GroupedAttention(nn.Module):
         b, s, _ = x.shape
         q = self.q(x).view(b, s, HEADS, DIM).transpose(1, 2)
         k, v = self.kv(x).view(b, s, 2 * KV_HEADS, DIM).transpose(1, 2).chunk(2, dim=1)
-        if self.traced_differs and not torch.compiler.is_compiling():
+        if self.traced_differs and not isinstance(k, FakeTensor):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             out = F.scaled_dot_product_attention(q, _repeat_kv(k), _repeat_kv(v), is_causal=True)

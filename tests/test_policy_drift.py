@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 import autocast_probe as probe
@@ -185,12 +186,12 @@ def _onednn(enabled: bool) -> Iterator[None]:
 # The RNN composites pick their kernels at run time: oneDNN or not (torch.backends.mkldnn.enabled, dtype,
 # grad mode), so each is checked in training, in inference, and with oneDNN switched off; the policy
 # is taken in the same oneDNN state, since its opaque entries depend on it.
-OPAQUE_CANDIDATES = ["lstm.input", "rnn_tanh.input", "rnn_tanh.data", "rnn_relu.input", "rnn_relu.data"]
+OPAQUE_CANDIDATES = ["rnn_tanh.input", "rnn_tanh.data", "rnn_relu.input", "rnn_relu.data"]
 
 
 # RNN composites whose native paths promote with an fp32 state: graphamp decomposes them instead
 # (tests/test_convert_cases.py checks the decomposition end to end against eager).
-DECOMPOSED_RNN = ["gru.input", "gru.data", "lstm.data"]
+DECOMPOSED_RNN = ["gru.input", "gru.data", "lstm.data", "lstm.input"]
 
 
 @pytest.mark.parametrize("key", DECOMPOSED_RNN)
@@ -198,6 +199,26 @@ def test_promoting_rnns_are_decomposed(key: str) -> None:
     assert _is_composite(key) and key not in registered("cpu")
     for dtype in LOW.values():
         assert get_policy("cpu", dtype).category(key) is None
+
+
+@pytest.mark.parametrize("projections", [False, True])
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_lstm_uses_onednn_where_eager_does(input_dtype: torch.dtype, grad: bool, projections: bool) -> None:
+    # graphamp decomposes aten::lstm along oneDNN's kernel path exactly where eager takes it.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphamp.policy import lstm_uses_onednn
+
+    lstm = nn.LSTM(4, 6, proj_size=2 if projections else 0).to(input_dtype)
+    x = torch.randn(3, 2, 4, dtype=input_dtype)
+    with torch.set_grad_enabled(grad):
+        try:
+            traced = make_fx(lstm)(x)
+        except RuntimeError as e:  # oneDNN may lack a kernel for this dtype on this CPU
+            pytest.skip(f"eager cannot run this LSTM here: {str(e).splitlines()[0]}")
+    onednn = any(n.target is torch.ops.aten.mkldnn_rnn_layer.default for n in traced.graph.nodes)
+    assert lstm_uses_onednn(input_dtype, projections=projections, grad_enabled=grad) == onednn
 
 
 def test_opaque_candidates_cover_the_tables() -> None:

@@ -15,10 +15,13 @@ input can make the rewrite wrong; it only restores eager's gradient rounding.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
+from graphamp.errors import EagerPathWarning
 from graphamp.passes._infra import GRAPHAMP, fake_mode_of, recompute_val, val_of
 
 __all__ = ["EAGER_SDPA", "follow_eager_attention", "repeated_heads"]
@@ -57,6 +60,38 @@ def _erase_if_dead(gm: GraphModule, node: Node) -> None:
         node = source
 
 
+def _input_dependent(value: object) -> bool:
+    """Whether a graph value is computed from a tensor input (not only from sizes and constants)."""
+    if not isinstance(value, Node):
+        return False
+    seen, stack = set(), [value]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
+            return True
+        stack.extend(node.all_input_nodes)
+    return False
+
+
+def _warn_mask_dependent(node: Node, call: object) -> None:
+    stack = node.meta.get("nn_module_stack") or {}
+    where = list(stack.values())[-1][0] if stack else "<root>"
+    chosen = "grouped key/value heads (enable_gqa)" if call.enable_gqa else "repeated key/value heads"
+    warnings.warn(
+        f"attention in {where}: its mask comes from an input, and the model's eager code may choose "
+        "how to call SDPA by the mask's values (transformers drops an all-ones mask and then groups "
+        f"the key/value heads inside SDPA). On the example, eager used {chosen}, and the converted "
+        "graph does too for every input: outputs are equal for any mask, gradients are bitwise for "
+        "masks that take the same path in eager and may differ in rounding for the others. Way out: "
+        "convert with a mask like the ones you train on (padded or not).",
+        EagerPathWarning,
+        stacklevel=2,
+    )
+
+
 def follow_eager_attention(gm: GraphModule) -> PassResult:
     """Give each SDPA call the grouped key/value heads and ``enable_gqa`` where eager did."""
     eager = gm.meta.get(EAGER_SDPA)
@@ -66,9 +101,11 @@ def follow_eager_attention(gm: GraphModule) -> PassResult:
     fake_mode = fake_mode_of(gm)
     modified = False
     for node, call in zip(nodes, eager):
+        key, value = repeated_heads(node.args[1]), repeated_heads(node.args[2])
+        if key is not None and _input_dependent(node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")):
+            _warn_mask_dependent(node, call)
         if not call.enable_gqa or node.kwargs.get("enable_gqa"):
             continue
-        key, value = repeated_heads(node.args[1]), repeated_heads(node.args[2])
         if key is None or value is None or key[1] != value[1] or val_of(key[0]).shape[1] != call.kv_heads:
             continue
         with gm.graph.inserting_before(node):

@@ -20,21 +20,24 @@ Each op node gets ``node.meta["graphamp"] = {"category", "dtype", "reason"}``; e
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils import _pytree as pytree
 
 from graphamp.capture import ambient_autocast
 from graphamp.config import Config
-from graphamp.errors import BannedOpError, PromoteTypeError
+from graphamp.errors import BannedOpError, EagerPathWarning, PromoteTypeError
 from graphamp.passes._infra import (
     GRAPHAMP,
     dtypes_of,
     fake_mode_of,
+    in_no_grad,
     inline_subgraph,
     insert_cast,
     is_eligible,
@@ -43,7 +46,7 @@ from graphamp.passes._infra import (
     val_of,
 )
 from graphamp.passes.inline_regions import AutocastFrame, region_of
-from graphamp.policy import APPEND_DTYPE_TARGETS, Category, Policy, op_key
+from graphamp.policy import APPEND_DTYPE_TARGETS, Category, Policy, lstm_uses_onednn, op_key
 
 __all__ = ["insert_casts"]
 
@@ -279,6 +282,22 @@ class _Rewriter:
         if not any(is_eligible(val_of(n), self.policy.device_type) for n in node.all_input_nodes):
             return None
         low = _autocast_state(node, self.policy)[1]
+        if op is torch.ops.aten.lstm.input:
+            if self.lstm_on_onednn(node):
+                sub, leaves = self.trace_onednn_lstm(node)
+                if sub is not None:
+                    return self.inline(node, sub, leaves, {"eager_kernel": "oneDNN (mkldnn_rnn_layer per layer and direction)"})
+            h, c = val_of(node.args[1])
+            if h.shape[-1] != c.shape[-1]:
+                warnings.warn(
+                    f"nn.LSTM with proj_size at node {node.name} ({_where(node)}): eager runs it on native "
+                    "C++ cells, whose projection recasts its weight every step; graphamp runs torch's "
+                    "decomposition of those cells, which casts it once. Outputs are bitwise equal, but the "
+                    "projection weights' gradients (weight_hr_*) may differ in rounding from eager autocast. "
+                    "Way out: keep the LSTM in fp32 with Config(fp32_modules=(nn.LSTM,)) if they must be exact.",
+                    EagerPathWarning,
+                    stacklevel=2,
+                )
         key = _signature(op, low, node.args, node.kwargs)
         if key in self.not_relevant:
             return None
@@ -287,6 +306,42 @@ class _Rewriter:
             self.not_relevant.add(key)
             return None
         return self.inline(node, sub, leaves)
+
+    def lstm_on_onednn(self, node: Node) -> bool:
+        input, (h, c) = val_of(node.args[0]), val_of(node.args[1])
+        return self.policy.device_type == "cpu" and lstm_uses_onednn(
+            input.dtype, projections=h.shape[-1] != c.shape[-1], grad_enabled=not in_no_grad(node)
+        )
+
+    def trace_onednn_lstm(self, node: Node) -> tuple[GraphModule | None, list]:
+        """``aten::lstm`` as eager runs it on oneDNN: one ``mkldnn_rnn_layer`` per layer and
+        direction, each of which autocast casts separately (a bidirectional layer casts its fp32
+        input twice, and the two gradients meet in fp32).
+
+        Pre-dispatch tracing records ``lstm`` itself, and symbolic sizes send it down the native
+        path, so the kernel path is traced below autograd on static fake tensors of the example's
+        sizes; nothing in it depends on those sizes (no size is an argument of its ops).
+        """
+        flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+        positions = [i for i, a in enumerate(flat) if isinstance(a, Node)]
+
+        def lstm(*vals):
+            filled = list(flat)
+            for i, v in zip(positions, vals):
+                filled[i] = v
+            a, k = pytree.tree_unflatten(filled, spec)
+            return torch.ops.aten.lstm.input(*a, **k)
+
+        try:
+            with FakeTensorMode() as mode:
+                inputs = [_static_fake(flat[i].meta["val"], mode) for i in positions]
+                sub = make_fx(lstm)(*inputs)
+        except Exception:
+            return None, []
+        sub.graph.eliminate_dead_code()  # the detached copies autograd's kernel makes
+        if not any(n.target is torch.ops.aten.mkldnn_rnn_layer.default for n in sub.graph.nodes) or sub.graph.find_nodes(op="get_attr"):
+            return None, []
+        return sub, [flat[i] for i in positions]
 
     def trace_decomposition(self, op, args, kwargs, low: torch.dtype) -> tuple[GraphModule | None, list]:
         flat, spec = pytree.tree_flatten((args, kwargs))
@@ -332,12 +387,12 @@ class _Rewriter:
                 self.not_relevant.add(key)
         return False
 
-    def inline(self, node: Node, sub: GraphModule, leaves: list[Node]) -> Node | None:
+    def inline(self, node: Node, sub: GraphModule, leaves: list[Node], info: dict | None = None) -> Node | None:
         after = node.next if node.next is not self.graph._root else None
         keep = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "graphamp_region")}
         copies = inline_subgraph(
             self.graph, node, sub.graph, leaves,
-            lambda n: {**keep, "val": n.meta.get("val"), GRAPHAMP: {"decomposed_from": node.name}},
+            lambda n: {**keep, "val": n.meta.get("val"), GRAPHAMP: {"decomposed_from": node.name, **(info or {})}},
         )
         self.fresh.update(copies)
         self.modified = True
@@ -357,6 +412,15 @@ def _signature(op: torch._ops.OpOverload, low: torch.dtype, args: Any, kwargs: A
         return ("const", repr(leaf))
 
     return (op, low, tuple(describe(leaf) for leaf in pytree.tree_leaves((args, kwargs))))
+
+
+def _static_fake(val: Any, mode: FakeTensorMode) -> Any:
+    """A fake tensor of ``val``'s dtype and device with the example's concrete sizes."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    size = [d.node.hint if isinstance(d, torch.SymInt) else d for d in val.shape]
+    with mode:
+        return torch.empty(size, dtype=val.dtype, device=val.device)
 
 
 def _where(node: Node) -> str:
