@@ -5,8 +5,10 @@ For each graph dynamo captures (one per graph break), the backend:
 1. fakifies the inputs with dynamo's own fake mode;
 2. re-traces dynamo's torch-level graph to pre-dispatch ATen with ``make_fx``, under the autocast
    graphamp applies, so every node's fake value carries eager autocast's dtype. On the way it
-   replaces fused inference kernels by their composites (:mod:`graphamp.fast_paths`) and inlines the
-   forward of custom ``autograd.Function``\\s;
+   replaces fused inference kernels by their composites (:mod:`graphamp.fast_paths`) and keeps each
+   custom ``autograd.Function`` (dynamo's ``autograd_function_apply``: a forward and a backward
+   graph) whole, as one call of :func:`graphamp.runtime.apply_graph_function`, so that AOTAutograd
+   records its forward under eager's autocast state and its own backward;
 3. runs graphamp's passes (:mod:`graphamp.passes`), as :func:`graphamp.convert` does;
 4. hands the rewritten graph to AOTAutograd and the inner compiler (inductor, or eager graphs)
    with autocast off, and runs the compiled code with autocast off: graphamp's casts are the only
@@ -27,22 +29,25 @@ from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch._ops import _get_dispatch_mode_pre_dispatch
 from torch.fx import GraphModule, Interpreter, Node
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import make_fx, track_tensor_tree
 
-from graphamp.capture import ambient_autocast
+from graphamp.capture import _below_tracer, ambient_autocast
 from graphamp.config import Config
 from graphamp.convert import MODES, _autocast_off, resolve_dtype
-from graphamp.errors import CaptureError, OptionError, PolicyDriftError
+from graphamp.errors import OptionError, PolicyDriftError
 from graphamp.fast_paths import composite_for
 from graphamp.passes import check_dtypes, run_pipeline
 from graphamp.policy import DEVICE_TYPES, Policy, get_policy
+from graphamp.runtime import KeptGraphFunction, apply_graph_function, current_autocast_state
 
 __all__ = ["BackendOptions", "INNER_COMPILERS", "graphamp_backend", "rewrite"]
 
 INNER_COMPILERS = ("inductor", "eager")
 
 _AUTOGRAD_FUNCTION_APPLY = torch.ops.higher_order.autograd_function_apply
+_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 _ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
 _EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
 
@@ -166,7 +171,7 @@ def rewrite(
     config = config or Config()
     amp_gm = _retrace(gm, example_inputs, policy, ambient=ambient)
     # No weight cache: AOTAutograd and inductor take the casts from here (freezing folds them).
-    run_pipeline(amp_gm, policy, config, check=False, inference=inference, cache=False, freeze=False)
+    run_pipeline(amp_gm, policy, config, check=False, inference=inference, cache=False, freeze=False, kernel_paths=False)
     if check:
         try:
             check_dtypes(amp_gm)
@@ -229,19 +234,19 @@ def _fake_inputs(gm: GraphModule, example_inputs: Sequence[Any]) -> tuple[Any, l
 
 
 @dataclasses.dataclass(frozen=True)
-class _InlinedFunction:
+class _KeptFunction:
     where: str  # the module that applied it
     untraced_custom_fwd: bool  # a custom_fwd body that dynamo traced with autocast off
 
 
 class _Retracer(Interpreter):
-    """Runs dynamo's graph under make_fx, swapping fused kernels for composites and inlining
-    custom ``autograd.Function`` forwards."""
+    """Runs dynamo's graph under make_fx, swapping fused kernels for composites and keeping custom
+    ``autograd.Function``\\s whole."""
 
-    def __init__(self, gm: GraphModule, policy: Policy, inlined: list[_InlinedFunction]) -> None:
+    def __init__(self, gm: GraphModule, policy: Policy, kept: list[_KeptFunction]) -> None:
         super().__init__(gm)
         self.policy = policy
-        self.inlined = inlined
+        self.kept = kept
         self.regions: list[torch.autocast] = []
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
@@ -261,24 +266,55 @@ class _Retracer(Interpreter):
                 self.regions.pop().__exit__(None, None, None)
             return node
         if target is _AUTOGRAD_FUNCTION_APPLY:
-            return self.inline_autograd_function(*args, **kwargs)
+            return self.keep_autograd_function(*args, **kwargs)
+        if target is _CHECKPOINT:
+            return self.checkpoint(*args)
         composite = composite_for(target, self.policy)
         if composite is not None:
             return composite(*args, **kwargs)
         return super().call_function(target, args, kwargs)
 
-    def inline_autograd_function(self, fwd: GraphModule, bwd: GraphModule, *operands: Any, **kwargs: Any) -> Any:
-        # The op runs `fwd` under no_grad inside an autograd.Function whose backward is `bwd`;
-        # pre-dispatch tracing would record the no_grad forward and lose the gradient. graphamp
-        # inlines the forward with grad on, so autograd differentiates it (as convert does).
-        where = _module_of(fx_traceback.get_current_meta())
-        self.inlined.append(_InlinedFunction(where, _is_untraced_custom_fwd(fwd)))
-        body = _without_grad_boundary(fwd, where)
-        output, _saved = _Retracer(body, self.policy, self.inlined).run(*operands)
-        detach = set(kwargs.get("non_differentiable_idx", ()))
-        if isinstance(output, (tuple, list)):
-            return type(output)(o.detach() if i in detach else o for i, o in enumerate(output))
-        return output.detach() if 0 in detach else output
+    def checkpoint(self, body: GraphModule, *operands: Any) -> Any:
+        # torch.utils.checkpoint, either mode: the region's ops are traced in place (graphamp's
+        # casts go inside) and tagged for recomputation, as AOTAutograd tags the region itself,
+        # so its partitioner recomputes them in backward instead of saving their activations.
+        # (A selective-checkpoint context_fn's per-op policy is not reproduced: all recompute.)
+        from torch._higher_order_ops.wrap import uid
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        body = GraphModule(body, body.graph.__deepcopy__())
+        graph_id = next(uid)
+        for node in body.graph.nodes:
+            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            node.meta["ac_graph_id"] = graph_id
+        return _Retracer(body, self.policy, self.kept).run(*operands)
+
+    def keep_autograd_function(self, fwd: GraphModule, bwd: GraphModule, *operands: Any, **kwargs: Any) -> Any:
+        # Traced through, the Function's forward would be differentiated by autograd and its own
+        # backward lost. Kept as one call, AOTAutograd later traces it as dynamo's own path does:
+        # the forward under the autocast state eager has here (recorded now), the backward graph
+        # as the Function's gradient.
+        self.kept.append(_KeptFunction(_module_of(fx_traceback.get_current_meta()), _is_untraced_custom_fwd(fwd)))
+        states, cache_enabled = current_autocast_state()
+        kept = KeptGraphFunction(fwd, bwd, kwargs, states, cache_enabled)
+        mode = _get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY)
+        with _below_tracer():
+            # Fake outputs with eager's dtypes: the forward runs under autocast, unrecorded.
+            out = apply_graph_function(kept, *operands)
+        tracer = mode.tracer
+        name = tracer.get_fresh_qualname("_graphamp_function")
+        tracer.root.register_module(name, kept)
+        attr = tracer.create_proxy("get_attr", name, (), {})
+        attr.node.meta["val"] = kept
+        proxy = tracer.create_proxy(
+            "call_function", apply_graph_function, (attr, *(tracer.unwrap_proxy(o) for o in operands)), {},
+            name="autograd_function",
+        )
+        proxy.node.meta["graphamp"] = {
+            "category": None, "dtype": None,
+            "reason": "custom autograd.Function, run whole with its own backward under eager's autocast state there",
+        }
+        return track_tensor_tree(out, proxy, constant=None, tracer=tracer)
 
 
 def _module_of(meta: Mapping[str, Any]) -> str:
@@ -302,37 +338,13 @@ def _is_untraced_custom_fwd(fwd: GraphModule) -> bool:
     return decorated and not any(n.target is _ENTER_AUTOCAST for n in nodes)
 
 
-def _without_grad_boundary(fwd: GraphModule, where: str) -> GraphModule:
-    """A copy of an autograd.Function forward body without its outer no_grad switches."""
-    body = GraphModule(fwd, fwd.graph.__deepcopy__())
-    switches = [n for n in body.graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
-    if len(switches) != 2 or switches[0].args[0] or not switches[1].args[0]:
-        raise CaptureError(
-            f"graphamp cannot inline the custom autograd.Function applied in {where}: its forward "
-            "changes grad mode itself. Way out: move the grad-mode change out of the Function's "
-            "forward, or keep the Function outside the compiled region (torch.compiler.disable)."
-        )
-    for node in switches:
-        body.graph.erase_node(node)
-    body.recompile()
-    return body
-
-
-def _warn_inlined(inlined: list[_InlinedFunction], policy: Policy, *, ambient: bool) -> None:
-    if torch.is_grad_enabled():
-        where = ", ".join(sorted({f.where for f in inlined}))
-        warnings.warn(
-            f"graphamp inlined the forward of the custom autograd.Function(s) applied in {where}: "
-            "their gradients are now autograd's derivative of that forward, not their own backward. "
-            "Keep a Function whose backward differs outside the compiled region (torch.compiler.disable).",
-            stacklevel=3,
-        )
-    untraced = sorted({f.where for f in inlined if f.untraced_custom_fwd})
+def _warn_untraced_custom_fwd(kept: list[_KeptFunction], policy: Policy, *, ambient: bool) -> None:
+    untraced = sorted({f.where for f in kept if f.untraced_custom_fwd})
     if untraced and not ambient:
         warnings.warn(
             f"the custom autograd.Function(s) applied in {', '.join(untraced)} use torch.amp.custom_fwd, "
             "which dynamo traced with autocast off, so their cast_inputs casts and autocast-free "
-            "region are not in the graph and graphamp applies its policy inside them. Way out: call the "
+            "region are not in the graph and autocast applies inside them. Way out: call the "
             f"compiled model inside torch.autocast({policy.device_type!r}, dtype={policy.dtype}); "
             "graphamp's casts stay the only ones applied.",
             stacklevel=3,
@@ -341,13 +353,13 @@ def _warn_inlined(inlined: list[_InlinedFunction], policy: Policy, *, ambient: b
 
 def _retrace(gm: GraphModule, example_inputs: Sequence[Any], policy: Policy, *, ambient: bool) -> GraphModule:
     fake_mode, fakes = _fake_inputs(gm, example_inputs)
-    inlined: list[_InlinedFunction] = []
+    kept: list[_KeptFunction] = []
 
     def run(*args: Any) -> Any:
         # preserve_node_meta carries each dynamo node's nn_module_stack and stack trace to the
         # ATen nodes traced from it, as AOTAutograd does.
         with fx_traceback.preserve_node_meta():
-            return _Retracer(gm, policy, inlined).run(*args)
+            return _Retracer(gm, policy, kept).run(*args)
 
     # Under the autocast graphamp reproduces: the nodes' fake values take eager autocast's dtypes
     # (pre-dispatch records ops above the autocast key, so no cast lands in the graph), and code
@@ -356,8 +368,8 @@ def _retrace(gm: GraphModule, example_inputs: Sequence[Any], policy: Policy, *, 
     # tensors; make_fx keeps them as attributes of the new graph.
     with fake_mode, _allow_real_attributes(fake_mode), ambient_autocast(policy.device_type, policy.dtype):
         amp_gm = make_fx(run, pre_dispatch=True)(*fakes)
-    if inlined:
-        _warn_inlined(inlined, policy, ambient=ambient)
+    if kept:
+        _warn_untraced_custom_fwd(kept, policy, ambient=ambient)
     _copy_dynamo_metadata(gm, amp_gm)
     return amp_gm
 
