@@ -154,16 +154,27 @@ _EFFECTIVE = {
 # Unregistered RNN composites graphamp runs whole, as if listed, instead of decomposing them: their
 # decompositions unroll over time and pick kernels at run time, and for these the whole op on
 # inputs pre-cast to the low dtype is bitwise what eager's decomposition gives (its listed children
-# cast the same values and nothing in between promotes). nn.LSTM is not among them: eager runs it
-# on oneDNN or on native cells depending on its input (see lstm_uses_onednn), and graphamp
-# decomposes it along the same path. GRU's native path promotes like LSTM's, so it is decomposed.
+# cast the same values and nothing in between promotes). rnn_tanh/rnn_relu always qualify;
+# nn.LSTM only where oneDNN runs it (bf16 with oneDNN on), since its native path promotes the
+# gates with an fp32 state. GRU's native path promotes likewise, so it is decomposed.
+# graphamp.convert goes further for nn.LSTM: it decomposes it along oneDNN's own kernel path (see
+# lstm_uses_onednn), which is exact for fp32 inputs and bidirectional layers too; the run-whole
+# entry serves the torch.compile backend, whose AOTAutograd cannot trace that kernel's backward.
 _OPAQUE_RNN = frozenset({"rnn_tanh.input", "rnn_tanh.data", "rnn_relu.input", "rnn_relu.data"})
 
 
 def _opaque(device_type: str, dtype: torch.dtype) -> Mapping[str, Category]:
     if device_type != "cpu":
         return MappingProxyType({})
-    return _table((_OPAQUE_RNN, _L))
+    names = set(_OPAQUE_RNN)
+    if dtype is torch.bfloat16 and _onednn_runs_bf16_lstm():
+        names.add("lstm.input")
+    return _table((frozenset(names), _L))
+
+
+def _onednn_runs_bf16_lstm() -> bool:
+    mkldnn = torch.backends.mkldnn
+    return bool(mkldnn.is_available() and mkldnn.enabled and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def lstm_uses_onednn(input_dtype: torch.dtype, *, projections: bool, grad_enabled: bool) -> bool:

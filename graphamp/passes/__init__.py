@@ -32,19 +32,20 @@ __all__ = [
 
 def run_pipeline(
     gm: GraphModule, policy: Policy, config: Config, *, check: bool, inference: bool = False, cache: bool = True,
-    freeze: bool | None = None,
+    freeze: bool | None = None, kernel_paths: bool = True,
 ) -> GraphModule:
     """Run the rewrite on a captured graph.
 
     ``check`` compares every dtype with eager's; ``inference`` declares no gradient will ever be
     taken (casts are shared freely and, unless ``freeze=False``, weights frozen to low precision);
-    ``cache`` keeps weights' low-precision copies across calls.
+    ``cache`` keeps weights' low-precision copies across calls; ``kernel_paths`` follows eager's
+    oneDNN kernel path for nn.LSTM (off where AOTAutograd traces the graph).
     """
     record_dtypes(gm)
     inline_regions(gm)
     strip_asserts(gm)
     follow_eager_attention(gm)
-    insert_casts(gm, policy, config)
+    insert_casts(gm, policy, config, kernel_paths=kernel_paths)
     dedupe_casts(gm, no_grad=inference)
     fold_casts(gm, no_grad=inference)
     if check:

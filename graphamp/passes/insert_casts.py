@@ -124,8 +124,9 @@ def _is_decomposable(op: torch._ops.OpOverload) -> bool:
 
 
 class _Rewriter:
-    def __init__(self, gm: GraphModule, policy: Policy, config: Config) -> None:
+    def __init__(self, gm: GraphModule, policy: Policy, config: Config, kernel_paths: bool = True) -> None:
         self.gm = gm
+        self.kernel_paths = kernel_paths
         self.graph = gm.graph
         self.policy = policy
         self.config = config
@@ -171,6 +172,8 @@ class _Rewriter:
         if key in self.config.op_overrides:
             source = "config override"
         elif key in self.policy.opaque:
+            if key == "lstm.input" and self.kernel_paths:
+                return None, low, "decomposed along the kernel path eager takes for it"
             source = f"{self.policy.device_type} composite, run whole"
         else:
             source = f"{self.policy.device_type} list"
@@ -273,6 +276,10 @@ class _Rewriter:
         op = node.target
         if not _is_decomposable(op):
             return None
+        if op is torch.ops.aten.lstm.input and self.kernel_paths and self.onednn_lstm_applies(node):
+            sub, leaves = self.trace_onednn_lstm(node)
+            if sub is not None:
+                return self.inline(node, sub, leaves, {"eager_kernel": "oneDNN (mkldnn_rnn_layer per layer and direction)"})
         category, _, _ = self.category_of(node)
         enabled, _ = _autocast_state(node, self.policy)
         if category is not None or not enabled or op_key(op) in self.config.op_overrides:
@@ -283,10 +290,6 @@ class _Rewriter:
             return None
         low = _autocast_state(node, self.policy)[1]
         if op is torch.ops.aten.lstm.input:
-            if self.lstm_on_onednn(node):
-                sub, leaves = self.trace_onednn_lstm(node)
-                if sub is not None:
-                    return self.inline(node, sub, leaves, {"eager_kernel": "oneDNN (mkldnn_rnn_layer per layer and direction)"})
             h, c = val_of(node.args[1])
             if h.shape[-1] != c.shape[-1]:
                 warnings.warn(
@@ -307,7 +310,10 @@ class _Rewriter:
             return None
         return self.inline(node, sub, leaves)
 
-    def lstm_on_onednn(self, node: Node) -> bool:
+    def onednn_lstm_applies(self, node: Node) -> bool:
+        enabled, _ = _autocast_state(node, self.policy)
+        if not enabled or "lstm.input" in self.config.op_overrides or self.config.keeps_fp32(node.meta.get("nn_module_stack")):
+            return False
         input, (h, c) = val_of(node.args[0]), val_of(node.args[1])
         return self.policy.device_type == "cpu" and lstm_uses_onednn(
             input.dtype, projections=h.shape[-1] != c.shape[-1], grad_enabled=not in_no_grad(node)
@@ -432,9 +438,13 @@ def _where(node: Node) -> str:
     return "at the top level of forward"
 
 
-def insert_casts(gm: GraphModule, policy: Policy, config: Config | None = None) -> PassResult:
-    """Insert explicit casts so every op receives the dtypes eager autocast would give it."""
-    rewriter = _Rewriter(gm, policy, config or Config())
+def insert_casts(gm: GraphModule, policy: Policy, config: Config | None = None, *, kernel_paths: bool = True) -> PassResult:
+    """Insert explicit casts so every op receives the dtypes eager autocast would give it.
+
+    ``kernel_paths`` decomposes nn.LSTM along the oneDNN kernel path eager takes (one
+    ``mkldnn_rnn_layer`` per layer and direction); off for graphs AOTAutograd will trace.
+    """
+    rewriter = _Rewriter(gm, policy, config or Config(), kernel_paths)
     rewriter.run()
     if rewriter.modified:
         gm.graph.lint()
