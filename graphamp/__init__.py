@@ -11,6 +11,7 @@ from graphamp.emit import AmpModule
 from graphamp.errors import (
     BannedOpError,
     CaptureError,
+    DeviceMismatchError,
     GraphampError,
     InputMismatchError,
     OptionError,
@@ -29,6 +30,7 @@ __all__ = [
     "CaptureError",
     "Category",
     "Config",
+    "DeviceMismatchError",
     "GraphampError",
     "InputMismatchError",
     "OptionError",

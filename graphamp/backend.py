@@ -35,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx, track_tensor_tree
 
 from graphamp.capture import _below_tracer, ambient_autocast
 from graphamp.config import Config
-from graphamp.convert import MODES, _autocast_off, resolve_dtype
+from graphamp.convert import MODES, _autocast_off, check_device, resolve_dtype
 from graphamp.errors import OptionError, PolicyDriftError
 from graphamp.fast_paths import composite_for
 from graphamp.passes import check_dtypes, run_pipeline
@@ -133,6 +133,7 @@ def graphamp_backend(
             f"{opts.inner!r}; drop mode= or use options={{'inner': 'inductor'}}"
         )
     device_type = opts.device_type or _device_type_of(gm, example_inputs)
+    check_device(device_type, gm, list(example_inputs))
     dtype = resolve_dtype(opts.dtype, device_type)
     config = opts.config or Config()
     policy = get_policy(device_type, dtype).with_overrides(config.op_overrides)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 import sys
 import threading
@@ -159,10 +160,49 @@ def capture(
     # check_guards=False installs input checks as a forward pre-hook; graphamp emits its own.
     gm._forward_pre_hooks.clear()
     gm._forward_pre_hooks_with_kwargs.clear()
-    gm.meta["range_constraints"] = dict(ep.range_constraints)
+    gm.meta["range_constraints"], gm.meta["range_reasons"] = _model_ranges(ep)
     if keeper.kept:
         _bind_kept_functions(gm, keeper.kept)
     return gm
+
+
+# Where torch's fake kernels and decompositions guard on sizes: to pick a memory format or a
+# kernel, which the converted graph does not record (its ops pick again at run time), or to check
+# sizes an op rejects at run time anyway, as in eager.
+_KERNEL_FILES = tuple(
+    os.path.join(os.path.dirname(torch.__file__), *part.split("/"))
+    for part in ("_subclasses/fake_impls.py", "_meta_registrations.py", "_refs/", "_prims/", "_decomp/", "_prims_common/")
+)
+
+
+def _model_ranges(ep: torch.export.ExportedProgram) -> tuple[dict, dict[str, str]]:
+    """export's range of each symbolic size, except that bounds only torch's kernels imposed are
+    lifted to 1: a conv's fake kernel asks for batch > 1 to choose a memory format (so export
+    pins batch to [2, inf)), while the model's own code takes batch 1 and eager runs it. Also,
+    per size the model's code constrains, the first such condition and where it is."""
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    ranges = dict(ep.range_constraints)
+    vals = pytree.tree_leaves([n.meta.get("val") for n in ep.graph.nodes])
+    fake = next((v for v in vals if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)), None)
+    shape_env = fake.fake_mode.shape_env if fake is not None else None
+    if shape_env is None:
+        return ranges, {}
+    by_model: dict = {}
+    for guard in shape_env.guards:
+        where = getattr(guard.sloc, "framework_loc", None)
+        filename = str(getattr(where, "filename", where) or "")
+        if not filename.startswith(_KERNEL_FILES):
+            line = f"{os.path.basename(filename)}:{getattr(where, 'lineno', '?')}" if filename else "the model's code"
+            for sym in guard.expr.free_symbols:
+                by_model.setdefault(sym, f"{guard.expr} at {line}")
+    reasons = {}
+    for sym, vr in ranges.items():
+        if sym in by_model:
+            reasons[str(sym)] = by_model[sym]
+        elif getattr(vr.lower, "is_Integer", False) and int(vr.lower) > 1:
+            ranges[sym] = ValueRanges(1, vr.upper)
+    return ranges, reasons
 
 
 def _is_autocast_rejection(e: BaseException) -> bool:

@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 from graphamp.capture import ambient_autocast, capture
 from graphamp.config import Config
 from graphamp.emit import AmpModule, emit
+from graphamp.errors import DeviceMismatchError
 from graphamp.passes import run_pipeline
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.probe import eager_sdpa_calls
@@ -64,6 +65,22 @@ def resolve_device_type(device_type: str | torch.device | None, model: nn.Module
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type={device_type!r} is not supported; graphamp has policies for {DEVICE_TYPES}")
     return device_type
+
+
+def check_device(device_type: str, model: nn.Module, inputs: Any) -> None:
+    """Raise DeviceMismatchError if no floating tensor of the model or its inputs is on ``device_type``:
+    autocast leaves tensors on other devices alone, so the conversion would cast nothing."""
+    tensors = [*model.parameters(), *model.buffers(), *(t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor))]
+    floating = [t for t in tensors if t.is_floating_point()]
+    if floating and not any(t.device.type == device_type for t in floating):
+        found = sorted({t.device.type for t in floating})
+        raise DeviceMismatchError(
+            f"device_type={device_type!r} asks for the {device_type} autocast policy, but the model's parameters "
+            f"and inputs are on {', '.join(found)}, where {device_type} autocast casts nothing: the result "
+            f"would run entirely in fp32. Way out: move the model and inputs to {device_type} "
+            f"(model.to({device_type!r})); or, to check the {device_type} policy without that device, use "
+            f"graphamp.verify(model, args, device_type={device_type!r}); or pass device_type={found[0]!r}."
+        )
 
 
 @contextlib.contextmanager
@@ -145,6 +162,7 @@ def convert(
         raise TypeError(f"config must be a graphamp.Config, got {type(config).__name__}")
     kwargs = dict(kwargs or {})
     device_type = resolve_device_type(device_type, model, (args, kwargs))
+    check_device(device_type, model, (args, kwargs))
     dtype = resolve_dtype(dtype, device_type)
     policy: Policy = get_policy(device_type, dtype).with_overrides(config.op_overrides)
 

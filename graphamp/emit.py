@@ -46,11 +46,15 @@ class InputGuard(nn.Module):
     are fixed, because the casts were decided for them.
     """
 
-    def __init__(self, names: list[str], specs: list[tuple | None], ranges: dict[str, tuple[int, int | None]]) -> None:
+    def __init__(
+        self, names: list[str], specs: list[tuple | None], ranges: dict[str, tuple[int, int | None]],
+        reasons: dict[str, str] | None = None,
+    ) -> None:
         super().__init__()
         self.names = names
         self.specs = specs
         self.ranges = ranges
+        self.reasons = reasons or {}  # per size: the model's condition that bounds it, and where
 
     def forward(self, *inputs: Any) -> None:
         bound: dict[str, int] = {}
@@ -82,9 +86,12 @@ class InputGuard(nn.Module):
                             f"same size {dim}. Way out: pass consistent sizes."
                         )
                     if size < lo or (hi is not None and size > hi):
+                        why = getattr(self, "reasons", {}).get(dim)
                         raise InputMismatchError(
                             f"input {name!r} dim {i} is {size}, outside the range [{lo}, {hi or 'inf'}] the "
-                            "model's code allows for it. Way out: convert again with an example of this shape."
+                            "model's code allows for it"
+                            + (f" (the graph was traced where the model's code tested {why})" if why else "")
+                            + ". Way out: convert again with an example of this shape."
                         )
 
 
@@ -124,7 +131,7 @@ def _guard_from(gm: GraphModule) -> InputGuard:
     ranges = {}
     for sym, vr in gm.meta.get("range_constraints", {}).items():
         ranges[str(sym)] = (_bound(vr.lower) or 0, _bound(vr.upper))
-    return InputGuard(names, specs, ranges)
+    return InputGuard(names, specs, ranges, gm.meta.get("range_reasons"))
 
 
 def _bound(value: Any) -> int | None:

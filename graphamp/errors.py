@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError", "EagerPathWarning"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError", "DeviceMismatchError", "EagerPathWarning"]
 
 
 class GraphampError(Exception):
@@ -35,6 +35,10 @@ class PolicyDriftError(GraphampError, RuntimeError):
 
 class InputMismatchError(GraphampError, ValueError):
     """A converted module was called with inputs its graph was not converted for."""
+
+
+class DeviceMismatchError(GraphampError, ValueError):
+    """The policy's device holds none of the model's floating tensors, so autocast would cast nothing."""
 
 
 class OptionError(GraphampError, ValueError):

@@ -1,0 +1,103 @@
+"""capture: the program eager runs, the sizes it accepts, and the device the policy applies to."""
+
+import pytest
+import torch
+from torch import nn
+
+import graphamp
+from helpers import assert_exact
+
+
+class CompilePath(nn.Module):
+    """Takes another, forward-equivalent program when compiled, as transformers' masks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if torch.compiler.is_compiling():
+            return (h * 2).sum(0)
+        return h.sum(0) * 2  # eager's: sums in the low dtype before doubling
+
+
+def test_traces_the_eager_program_not_the_compile_path():
+    model, x = CompilePath(), torch.randn(6, 8)
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)
+    ops = [n.target for n in amp.graph.nodes if n.op == "call_function"]
+    assert ops.index(torch.ops.aten.sum.dim_IntList) < ops.index(torch.ops.aten.mul.Tensor)
+    assert_exact(model, amp, (x,), {}, torch.bfloat16)
+
+
+class UntraceableEagerPath(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if not torch.compiler.is_compiling() and bool((h > 100).any()):  # a value read, eager only
+            raise ValueError("too large")
+        return h
+
+
+def test_falls_back_to_the_compile_path_and_says_so():
+    model, x = UntraceableEagerPath(), torch.randn(4, 8)
+    with pytest.warns(graphamp.EagerPathWarning, match="could not be traced"):
+        amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)
+    assert_exact(model, amp, (x,), {}, torch.bfloat16)
+
+
+def test_capture_leaves_no_hook_on_the_model():
+    model = CompilePath()
+    graphamp.convert(model, (torch.randn(3, 8),))
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_batch_one_where_only_torch_kernels_asked_for_two():
+    # A conv's fake kernel guards batch > 1 to choose a memory format; export then pins batch to
+    # [2, inf). The model's own code has no such condition, so batch 1 must run, as in eager.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16, 24, 32], depths=[1, 1, 1, 1])
+    model = transformers.ConvNextModel(config).train()
+    amp = graphamp.convert(model, (torch.randn(2, 3, 32, 32),), dtype=torch.bfloat16)
+    for shape in [(1, 3, 32, 32), (3, 3, 64, 48)]:
+        assert_exact(model, amp, (torch.randn(shape),), {}, torch.bfloat16)
+
+
+class BatchBranch(nn.Module):
+    def forward(self, x):
+        if x.shape[0] > 1:  # the model's own condition: the graph holds its branch for batch > 1
+            return x * 2
+        return x
+
+
+def test_a_size_the_model_code_bounds_is_refused_with_the_reason():
+    amp = graphamp.convert(BatchBranch(), (torch.randn(2, 3),))
+    with pytest.raises(graphamp.InputMismatchError, match=r"model's code tested .*> 1 at test_capture.py:\d+"):
+        amp(torch.randn(1, 3))
+
+
+def test_cpu_model_under_the_cuda_policy_is_refused():
+    model, args = nn.Linear(4, 4), (torch.randn(2, 4),)
+    with pytest.raises(graphamp.DeviceMismatchError, match="verify.*device_type='cuda'") as info:
+        graphamp.convert(model, args, device_type="cuda")
+    assert isinstance(info.value, ValueError) and "model.to('cuda')" in str(info.value)
+    step = graphamp.TrainStep(model, lambda out, y: out.float().pow(2).mean(), torch.optim.SGD(model.parameters()), device_type="cuda")
+    with pytest.raises(graphamp.DeviceMismatchError):
+        step(*args, target=None)
+    compiled = torch.compile(model, backend="graphamp", options={"device_type": "cuda", "inner": "eager"})
+    with pytest.raises(Exception, match="DeviceMismatchError"):
+        compiled(*args)
+    assert graphamp.verify(model, args, device_type="cuda").ok  # the fake-CUDA check is the way
+
+
+def test_capture_errors_print_nothing(capfd):
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    with pytest.raises(graphamp.CaptureError, match="data-dependent"):
+        graphamp.convert(DataDependent(), (torch.randn(3),))
+    assert capfd.readouterr().out == ""
