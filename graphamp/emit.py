@@ -147,12 +147,40 @@ def _dim_spec(d: int | torch.SymInt) -> int | str:
     return int(expr) if expr.is_number else str(expr)
 
 
-class _AmpTracer(torch.fx.Tracer):
-    """Re-traces a saved AmpModule's code, keeping graphamp's grad-mode calls as nodes."""
+# The functions generated code calls besides torch's ops: a re-trace must record every call.
+_RUNTIME_CALLS = (set_grad_enabled, cached_cast, autocast_cached, apply_function)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("autowrap_functions", (set_grad_enabled, cached_cast, autocast_cached, apply_function))
-        super().__init__(*args, **kwargs)
+
+class _AmpTracer(torch.fx.Tracer):
+    """Re-traces a saved AmpModule's code, recording every call of graphamp's runtime functions.
+
+    FX's autowrap records a call only when an argument is traced, so ``set_grad_enabled(False)``
+    (constant arguments) would run at trace time and vanish from the graph, and a ``no_grad``
+    region would be lost on load. While tracing, those names in the code's globals are bound to
+    functions that always record.
+    """
+
+    def trace(self, root: Any, concrete_args: Any = None) -> torch.fx.Graph:
+        fn = type(root).forward if isinstance(root, nn.Module) else root
+        globals_ = fn.__globals__
+        bound = {name: value for name, value in globals_.items() if any(value is f for f in _RUNTIME_CALLS)}
+        registry = torch.fx._symbolic_trace._wrapped_fns_to_patch
+        # Files saved by older versions register these names with FX's wrap(), which would wrap
+        # the recording functions again; they are recorded here instead.
+        wrapped = {key: registry.pop(key) for key in list(registry) if key[0] == id(globals_) and key[1] in bound}
+        for name, value in bound.items():
+            globals_[name] = self._recorder(value)
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            globals_.update(bound)
+            registry.update(wrapped)
+
+    def _recorder(self, target: Any) -> Any:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            return self.create_proxy("call_function", target, args, kwargs)
+
+        return record
 
 
 def _rebuild(body: dict[str, Any], import_block: str) -> AmpModule:

@@ -201,6 +201,36 @@ def test_torch_save_round_trip():
     assert_same_outputs(loaded(x), amp(x))
 
 
+class NoGradPart(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.head = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = self.frozen(x)
+        return self.head(h)
+
+
+def test_saved_module_keeps_its_no_grad_region():
+    # A re-trace on load once ran set_grad_enabled(False) instead of recording it: the region
+    # vanished and the frozen layer silently got gradients.
+    model, x = NoGradPart(), torch.randn(3, 4)
+    amp = graphamp.convert(model, (x,))
+    buffer = io.BytesIO()
+    torch.save(amp, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    out = loaded(x)
+    assert torch.equal(out, expected)
+    out.float().sum().backward()
+    assert loaded.get_parameter("frozen.weight").grad is None
+    assert loaded.get_parameter("head.weight").grad is not None
+    torch.save(loaded, io.BytesIO())  # and saves again
+
+
 def test_deepcopy():
     model, x = Small(), _x()
     amp = graphamp.convert(model, (x,))
