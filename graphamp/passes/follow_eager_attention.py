@@ -72,7 +72,8 @@ def _input_dependent(value: object) -> bool:
         seen.add(node)
         if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
             return True
-        stack.extend(node.all_input_nodes)
+        if node.target is not aten.sym_size.int:  # an input's size is not its values
+            stack.extend(node.all_input_nodes)
     return False
 
 
