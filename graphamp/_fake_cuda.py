@@ -26,12 +26,13 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["fake_cuda_bindings", "fake_cuda_inputs", "fake_cuda_model", "fake_cuda_session"]
+__all__ = ["PATCHES", "fake_cuda_bindings", "fake_cuda_inputs", "fake_cuda_model", "fake_cuda_session"]
 
 aten = torch.ops.aten
 
 _lock = threading.Lock()
-_depth = 0
+_depth = 0  # open fake_cuda_bindings contexts, in all threads; guarded by _lock
+_thread = threading.local()  # .depth: open contexts in this thread
 
 
 def _on_fake_cuda(t: object) -> bool:
@@ -72,75 +73,134 @@ def _index(x: torch.Tensor, index: Any) -> torch.Tensor | None:
     return aten.alias.default(out) if out is x else out
 
 
-def _patched(originals: dict[str, Any]) -> dict[str, Any]:
-    def contiguous(self: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-        if _on_fake_cuda(self):
-            return aten.contiguous.default(self, memory_format=memory_format)
-        return originals["contiguous"](self, memory_format=memory_format)
+def _routed(t: object) -> bool:
+    """Whether a patched binding handles ``t`` itself: a fake CUDA tensor, in a thread with a session open."""
+    return getattr(_thread, "depth", 0) > 0 and _on_fake_cuda(t)
 
-    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        if _on_fake_cuda(self):
-            return aten.copy_.default(self, src, non_blocking)
-        return originals["copy_"](self, src, non_blocking)
 
-    def invert(self: torch.Tensor) -> torch.Tensor:
-        if _on_fake_cuda(self):
-            return aten.bitwise_not.default(self)
-        return originals["__invert__"](self)
+def _contiguous(self: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    if _routed(self):
+        return aten.contiguous.default(self, memory_format=memory_format)
+    return _originals["contiguous"](self, memory_format=memory_format)
 
-    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if _on_fake_cuda(self):
-            rest = dict(kwargs)
-            copy_flag = rest.pop("copy", False)
-            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **rest)
-            if device is not None and device.type == "cuda":
-                return aten.to.dtype(self, dtype or self.dtype, non_blocking, copy_flag, memory_format)
-        return originals["to"](self, *args, **kwargs)
 
-    def getitem(self: torch.Tensor, index: Any) -> torch.Tensor:
-        if _on_fake_cuda(self):
-            out = _index(self, index)
-            if out is not None:
-                return out
-        return originals["__getitem__"](self, index)
+def _copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    if _routed(self):
+        return aten.copy_.default(self, src, non_blocking)
+    return _originals["copy_"](self, src, non_blocking)
 
-    def setitem(self: torch.Tensor, index: Any, value: Any) -> None:
-        items = index if isinstance(index, tuple) else (index,)
-        if _on_fake_cuda(self) and not any(isinstance(i, torch.Tensor) for i in items):
-            view = _index(self, index)
-            if view is not None:
-                if isinstance(value, torch.Tensor):
-                    aten.copy_.default(view, value)
-                else:
-                    aten.fill_.Scalar(view, value)
-                return
-        originals["__setitem__"](self, index, value)
 
-    return {"contiguous": contiguous, "copy_": copy_, "__invert__": invert, "to": to,
-            "__getitem__": getitem, "__setitem__": setitem}
+def _invert(self: torch.Tensor) -> torch.Tensor:
+    if _routed(self):
+        return aten.bitwise_not.default(self)
+    return _originals["__invert__"](self)
+
+
+def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if _routed(self):
+        rest = dict(kwargs)
+        copy_flag = rest.pop("copy", False)
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **rest)
+        if device is not None and device.type == "cuda":
+            return aten.to.dtype(self, dtype or self.dtype, non_blocking, copy_flag, memory_format)
+    return _originals["to"](self, *args, **kwargs)
+
+
+def _getitem(self: torch.Tensor, index: Any) -> torch.Tensor:
+    if _routed(self):
+        out = _index(self, index)
+        if out is not None:
+            return out
+    return _originals["__getitem__"](self, index)
+
+
+def _setitem(self: torch.Tensor, index: Any, value: Any) -> None:
+    items = index if isinstance(index, tuple) else (index,)
+    if _routed(self) and not any(isinstance(i, torch.Tensor) for i in items):
+        view = _index(self, index)
+        if view is not None:
+            if isinstance(value, torch.Tensor):
+                aten.copy_.default(view, value)
+            else:
+                aten.fill_.Scalar(view, value)
+            return
+    _originals["__setitem__"](self, index, value)
+
+
+# Every attribute this module sets on FakeTensor, with its replacement. Nothing else is patched;
+# tests/test_fake_cuda.py derives its checks from this table.
+PATCHES: dict[str, Any] = {
+    "contiguous": _contiguous,
+    "copy_": _copy_,
+    "__invert__": _invert,
+    "to": _to,
+    "__getitem__": _getitem,
+    "__setitem__": _setitem,
+}
+
+_ABSENT = object()
+# What the patched bindings delegate to, and what FakeTensor's own ``__dict__`` held for each
+# name (``_ABSENT`` when the binding was inherited from TensorBase), taken on the first entry.
+_originals: dict[str, Any] = {}
+_own: dict[str, Any] = {}
+
+
+def _apply() -> None:
+    _originals.clear()
+    _own.clear()
+    for name in PATCHES:
+        _originals[name] = getattr(FakeTensor, name)
+        _own[name] = vars(FakeTensor).get(name, _ABSENT)
+    try:
+        for name, fn in PATCHES.items():
+            setattr(FakeTensor, name, fn)
+    except BaseException:
+        _restore()
+        raise
+
+
+def _restore() -> None:
+    for name, own in _own.items():
+        if own is not _ABSENT:
+            setattr(FakeTensor, name, own)
+        elif name in vars(FakeTensor):
+            delattr(FakeTensor, name)
 
 
 @contextlib.contextmanager
 def fake_cuda_bindings() -> Iterator[None]:
     """Route the Tensor bindings that open a CUDA device guard to ATen ops, on fake CUDA tensors only.
 
-    The patch sits on ``FakeTensor`` (real tensors are untouched), nests, and is undone on exit.
+    The patch sits on ``FakeTensor`` (real tensors are untouched) for exactly as long as some
+    ``fake_cuda_bindings`` context is open in some thread: the first entry sets the attributes
+    in :data:`PATCHES`, the last exit puts back the originals, also when the body raises. Calls
+    nest and may overlap across threads (a lock guards a global count). The class attributes are
+    shared by all threads, so while a session is open anywhere, other threads see the patched
+    functions too; those behave as the originals except in a thread that has a context open
+    itself (a per-thread count), so a thread outside any session observes torch's own behaviour.
+
+    >>> from torch._subclasses.fake_tensor import FakeTensor
+    >>> before = FakeTensor.contiguous
+    >>> with fake_cuda_bindings():
+    ...     assert FakeTensor.contiguous is PATCHES["contiguous"]
+    >>> assert FakeTensor.contiguous is before
     """
     global _depth
     with _lock:
         if _depth == 0:
-            originals = {name: getattr(FakeTensor, name) for name in ("contiguous", "copy_", "__invert__", "to", "__getitem__", "__setitem__")}
-            for name, fn in _patched(originals).items():
-                setattr(FakeTensor, name, fn)
+            _apply()
         _depth += 1
     try:
-        yield
+        _thread.depth = getattr(_thread, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _thread.depth -= 1
     finally:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                for name in ("contiguous", "copy_", "__invert__", "to", "__getitem__", "__setitem__"):
-                    delattr(FakeTensor, name)
+                _restore()
 
 
 def fake_cuda_model(model: nn.Module) -> nn.Module:
