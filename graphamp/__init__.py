@@ -7,7 +7,7 @@ in mixed precision with no runtime autocast.
 
 from graphamp.config import Config
 from graphamp.convert import convert
-from graphamp.emit import AmpModule
+from graphamp.emit import AmpInfo, AmpModule
 from graphamp.errors import (
     BannedOpError,
     CaptureError,
@@ -25,6 +25,7 @@ from graphamp.train import TrainStep
 from graphamp.verify import Report, verify
 
 __all__ = [
+    "AmpInfo",
     "AmpModule",
     "BannedOpError",
     "CaptureError",

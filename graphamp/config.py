@@ -10,23 +10,9 @@ import torch
 from torch import nn
 
 from graphamp.policy import Category, op_key
+from graphamp.runtime import FrozenDict
 
 __all__ = ["Config"]
-
-
-class FrozenDict(dict):
-    """A dict that refuses mutation (unlike MappingProxyType it pickles, so AmpModules save)."""
-
-    def _readonly(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("Config is frozen; build a new Config instead")
-
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly  # type: ignore[assignment]
-
-    def __reduce__(self) -> tuple:
-        return (FrozenDict, (dict(self),))
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(tuple(sorted(self.items(), key=repr)))
 
 
 def _normalize_op(op: object) -> str:
@@ -64,9 +50,13 @@ def _normalize_category(value: object) -> Category | None:
 class Config:
     """Overrides on top of autocast's own policy.
 
+    >>> from torch import nn
+    >>> from graphamp import Category, Config
     >>> cfg = Config(op_overrides={"softmax.int": "fp32"}, fp32_modules=("encoder.layer.0.*", nn.LayerNorm))
     >>> assert cfg.op_overrides["softmax.int"] is Category.FP32
     """
+
+    __module__ = "graphamp"  # its public path, which saved modules name
 
     # ATen op -> category to force ("fp32", "lower_precision_fp", ...) or None to take the op
     # off autocast's lists. Keys: "softmax.int"-style names or torch.ops.aten overloads.

@@ -10,26 +10,25 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.fx import GraphModule
-from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
 
 from graphamp.capture import ambient_autocast
 from graphamp.config import Config
 from graphamp.errors import InputMismatchError
-from graphamp.passes.cache_weights import WEIGHT_CACHE, cached_cast
-from graphamp.passes.dedupe_casts import autocast_cached
+from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes._infra import attr_of, cast_source, short_dtype, tensor_dtype
-from graphamp.passes.inline_regions import set_grad_enabled
 from graphamp.policy import Policy
-from graphamp.runtime import apply_function
+from graphamp.runtime import _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, rebuild_amp_module
 
-__all__ = ["AmpModule", "AmpInfo", "InputGuard", "emit", "input_signature", "describe_signature"]
+__all__ = ["AmpModule", "AmpInfo", "emit", "input_signature", "describe_signature"]
 
 _GUARD = "_graphamp_guard"
 
 
 @dataclass(frozen=True)
 class AmpInfo:
-    """What a converted module was converted for."""
+    """What a converted module was converted for (``amp.graphamp_info``); saved with it."""
+
+    __module__ = "graphamp"  # its public path, which saved modules name
 
     device_type: str
     dtype: torch.dtype
@@ -37,62 +36,6 @@ class AmpInfo:
     training: bool
     config: Config
     inference: bool = False
-
-
-class InputGuard(nn.Module):
-    """Checks that inputs match what the graph was converted for: dtype, device, rank, sizes.
-
-    Dims that export kept symbolic may vary within their range; other dims, and every dtype,
-    are fixed, because the casts were decided for them.
-    """
-
-    def __init__(
-        self, names: list[str], specs: list[tuple | None], ranges: dict[str, tuple[int, int | None]],
-        reasons: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__()
-        self.names = names
-        self.specs = specs
-        self.ranges = ranges
-        self.reasons = reasons or {}  # per size: the model's condition that bounds it, and where
-
-    def forward(self, *inputs: Any) -> None:
-        bound: dict[str, int] = {}
-        for name, spec, value in zip(self.names, self.specs, inputs):
-            if spec is None:
-                continue
-            dtype, device_type, dims = spec
-            if not isinstance(value, torch.Tensor):
-                raise InputMismatchError(f"input {name!r}: expected a tensor, got {type(value).__name__}")
-            if value.dtype != dtype or value.device.type != device_type or value.dim() != len(dims):
-                raise InputMismatchError(
-                    f"input {name!r} is {value.dtype} on {value.device.type} with {value.dim()} dims, but the "
-                    f"graph was converted for {dtype} on {device_type} with {len(dims)} dims; the casts depend "
-                    "on it. Way out: call graphamp.convert again with an example input like this one."
-                )
-            for i, (dim, size) in enumerate(zip(dims, value.shape)):
-                if isinstance(dim, int):
-                    if size != dim:
-                        raise InputMismatchError(
-                            f"input {name!r} dim {i} is {size}, but the converted graph fixed it to {dim} "
-                            "(torch.export specialized it while tracing the model's code). Way out: "
-                            "convert again with an example of this shape."
-                        )
-                elif dim in self.ranges:
-                    lo, hi = self.ranges[dim]
-                    if bound.setdefault(dim, size) != size:
-                        raise InputMismatchError(
-                            f"input {name!r} dim {i} is {size}, but another input gave {bound[dim]} for the "
-                            f"same size {dim}. Way out: pass consistent sizes."
-                        )
-                    if size < lo or (hi is not None and size > hi):
-                        why = getattr(self, "reasons", {}).get(dim)
-                        raise InputMismatchError(
-                            f"input {name!r} dim {i} is {size}, outside the range [{lo}, {hi or 'inf'}] the "
-                            "model's code allows for it"
-                            + (f" (the graph was traced where the model's code tested {why})" if why else "")
-                            + ". Way out: convert again with an example of this shape."
-                        )
 
 
 _TENSOR = "<tensor>"
@@ -147,47 +90,6 @@ def _dim_spec(d: int | torch.SymInt) -> int | str:
     return int(expr) if expr.is_number else str(expr)
 
 
-# The functions generated code calls besides torch's ops: a re-trace must record every call.
-_RUNTIME_CALLS = (set_grad_enabled, cached_cast, autocast_cached, apply_function)
-
-
-class _AmpTracer(torch.fx.Tracer):
-    """Re-traces a saved AmpModule's code, recording every call of graphamp's runtime functions.
-
-    FX's autowrap records a call only when an argument is traced, so ``set_grad_enabled(False)``
-    (constant arguments) would run at trace time and vanish from the graph, and a ``no_grad``
-    region would be lost on load. While tracing, those names in the code's globals are bound to
-    functions that always record.
-    """
-
-    def trace(self, root: Any, concrete_args: Any = None) -> torch.fx.Graph:
-        fn = type(root).forward if isinstance(root, nn.Module) else root
-        globals_ = fn.__globals__
-        bound = {name: value for name, value in globals_.items() if any(value is f for f in _RUNTIME_CALLS)}
-        registry = torch.fx._symbolic_trace._wrapped_fns_to_patch
-        # Files saved by older versions register these names with FX's wrap(), which would wrap
-        # the recording functions again; they are recorded here instead.
-        wrapped = {key: registry.pop(key) for key in list(registry) if key[0] == id(globals_) and key[1] in bound}
-        for name, value in bound.items():
-            globals_[name] = self._recorder(value)
-        try:
-            return super().trace(root, concrete_args)
-        finally:
-            globals_.update(bound)
-            registry.update(wrapped)
-
-    def _recorder(self, target: Any) -> Any:
-        def record(*args: Any, **kwargs: Any) -> Any:
-            return self.create_proxy("call_function", target, args, kwargs)
-
-        return record
-
-
-def _rebuild(body: dict[str, Any], import_block: str) -> AmpModule:
-    forward = _forward_from_src(import_block + (body.get("_code") or body["code"]), {})
-    return _deserialize_graph_module(forward, body, graph_module_cls=AmpModule)
-
-
 class AmpModule(GraphModule):
     """A model converted by :func:`graphamp.convert`.
 
@@ -195,13 +97,16 @@ class AmpModule(GraphModule):
     an ambient ``torch.autocast`` around a call is switched off for the policy's device so the
     policy is never applied twice. Parameters and buffers are the original model's objects.
 
-    >>> import graphamp
+    >>> import torch, graphamp
+    >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     >>> amp = graphamp.convert(model, (torch.randn(2, 4),))
     >>> assert amp.get_parameter("0.weight") is model[0].weight
     >>> assert amp.cast_summary()["by_dtype"] == {"fp32->bf16": 3}   # input, weight, bias
     >>> assert amp(torch.randn(5, 4)).dtype is torch.bfloat16
     """
+
+    __module__ = "graphamp"  # its public path, as numpy's set_module does
 
     @property
     def graphamp_info(self) -> AmpInfo:
@@ -263,9 +168,12 @@ class AmpModule(GraphModule):
 
     def __reduce__(self) -> tuple:
         _, (body, import_block) = super().__reduce__()
-        body["_tracer_cls"] = _AmpTracer
+        body["_tracer_cls"] = AmpTracer
         body.pop("_graphamp_frozen", None)  # weak references to the source model do not travel
-        return (_rebuild, (body, import_block))
+        # Loading re-traces the code, which keeps no node meta: graphamp's record of each node
+        # travels beside it, so a loaded module's cast_summary() still reports its casts.
+        body[_NODE_META] = _node_meta_record(self.graph, _saved_info)
+        return (rebuild_amp_module, (body, import_block))
 
     def cast_summary(self) -> dict[str, Any]:
         """Counts of graphamp's casts, by (from, to) dtype; how many are weight casts kept across
@@ -277,13 +185,23 @@ class AmpModule(GraphModule):
             info = node.meta.get("graphamp", {})
             if info.get("cast"):
                 src, dtype = (node.args[1], node.args[2]) if node.target is cached_cast else cast_source(node)
-                casts[f"{short_dtype(tensor_dtype(src))}->{short_dtype(dtype)}"] += 1
+                # A loaded module's nodes have no fake values: the cast's source dtype was saved.
+                casts[f"{short_dtype(tensor_dtype(src) or info.get('from'))}->{short_dtype(dtype)}"] += 1
                 cached += node.target is cached_cast
             frozen += bool(info.get("frozen"))
             if info.get("category"):
                 categories[info["category"]] += 1
         return {"casts": sum(casts.values()), "by_dtype": dict(casts), "cached_weight_casts": cached,
                 "frozen_weights": frozen, "ops_by_category": dict(categories)}
+
+
+def _saved_info(node: torch.fx.Node) -> dict[str, Any] | None:
+    """A node's graphamp meta as a saved module keeps it, with a cast's source dtype."""
+    info = node.meta.get("graphamp")
+    if not info or not info.get("cast"):
+        return info
+    found = (node.args[1], None) if node.target is cached_cast else cast_source(node)
+    return {**info, "from": tensor_dtype(found[0]) or info.get("from")} if found else info
 
 
 def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:

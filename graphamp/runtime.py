@@ -1,7 +1,20 @@
-"""What the code of a converted module calls at run time.
+"""What the code of a converted module calls at run time, and what a saved module refers to.
 
-The names here are a stable import path: a saved module (``torch.save``, pickle) refers to them
-by name, so they keep their names and signatures across graphamp versions.
+Generated code calls graphamp through this module only. With the package's top level
+(``graphamp.AmpModule``, ``graphamp.AmpInfo``, ``graphamp.Config``), it is also the only graphamp
+module a saved module names: ``torch.save`` writes a converted module's code with its imports
+(``from graphamp.runtime import cached_cast``), and its submodules and values by class path
+(``graphamp.runtime.WeightCache``), into the user's file. So this is a stable import path:
+
+* names may be added, and a function may gain an argument with a default;
+* a name is never removed or renamed, and a signature or a pickled state never changes
+  incompatibly, without a loader shim that keeps the files earlier versions saved loading (an
+  alias left here, a ``__setstate__`` that upgrades old state);
+* it imports torch and ``graphamp.errors`` only, so the compile-time modules (capture, policy,
+  the passes, emit) can move freely.
+
+``tests/test_runtime.py`` checks both halves: a fresh save names nothing else, and the committed
+files in ``tests/fixtures/`` still load and run bitwise equal to eager autocast.
 
 A custom ``torch.autograd.Function`` is kept whole in a converted graph: one node calls
 :func:`apply_function`, which runs ``Function.apply`` under the autocast state eager autocast has
@@ -16,24 +29,198 @@ import contextlib
 import copy
 import importlib
 import pickle
+import threading
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
+
+from graphamp.errors import InputMismatchError
 
 __all__ = [
+    "AmpTracer",
     "AutocastState",
+    "FrozenDict",
+    "InputGuard",
     "KeptFunction",
     "KeptGraphFunction",
     "PartialTemplate",
     "Slot",
+    "WeightCache",
     "apply_function",
     "apply_graph_function",
+    "autocast_cached",
     "autocast_state",
+    "cached_cast",
     "current_autocast_state",
     "fill",
+    "rebuild_amp_module",
+    "set_grad_enabled",
 ]
+
+def set_grad_enabled(enabled: bool) -> bool:
+    """Set grad mode and return the previous one; the graph calls it around a grad-mode region.
+
+    >>> prev = set_grad_enabled(False)
+    >>> assert prev and not torch.is_grad_enabled()
+    >>> assert set_grad_enabled(prev) is False and torch.is_grad_enabled()
+    """
+    prev = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(enabled)
+    return prev
+
+
+def autocast_cached(src: torch.Tensor, first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A later cast of input ``src``: ``first`` (the forward's first cast of it) where eager
+    autocast's cache would hand that out, i.e. ``src`` is a leaf that requires grad and not a view;
+    a fresh cast otherwise.
+
+    >>> x = torch.randn(2, requires_grad=True)
+    >>> first = x.to(torch.bfloat16)
+    >>> assert autocast_cached(x, first, torch.bfloat16) is first and autocast_cached(x * 1, first, torch.bfloat16) is not first
+    """
+    if src.requires_grad and src.is_leaf and not src._is_view():
+        return first
+    return torch.ops.aten._to_copy.default(src, dtype=dtype)
+
+
+class WeightCache(nn.Module):
+    """Low-precision copies of parameters, keyed by (parameter, dtype), stamped with its version.
+
+    The copies are not saved: a loaded module recasts each weight on its first call.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # (id(param), dtype) -> (version, data_ptr, low copy)
+        self._entries: dict[tuple[int, torch.dtype], tuple[int, int, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # This runs once per weight per call, so it stays lean: one dict lookup, two reads.
+        key = (id(param), dtype)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] == param._version and entry[1] == param.data_ptr():
+            return entry[2]
+        if isinstance(param, FakeTensor):  # no data to reuse (fake CUDA checks): cast as eager does
+            return torch.ops.aten._to_copy.default(param, dtype=dtype)
+        stamp = (param._version, param.data_ptr())
+        # A normal tensor even under inference_mode, so a later grad-mode call may save it.
+        with torch.inference_mode(False), torch.no_grad():
+            low = param.detach().to(dtype)
+        with self._lock:
+            self._entries[key] = (*stamp, low)
+        return low
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_entries"] = {}
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo: dict) -> WeightCache:
+        return WeightCache()
+
+
+def cached_cast(cache: WeightCache, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``param`` cast to ``dtype``, reusing the copy of an earlier call while ``param`` is unchanged.
+
+    >>> cache, w = WeightCache(), torch.randn(3)
+    >>> assert cached_cast(cache, w, torch.bfloat16) is cached_cast(cache, w, torch.bfloat16)
+    >>> w.add_(1)  # an in-place update bumps the version: the copy is recomputed
+    tensor(...)
+    >>> assert torch.equal(cached_cast(cache, w, torch.bfloat16), w.to(torch.bfloat16))
+    """
+    if param.requires_grad and torch.is_grad_enabled():
+        return torch.ops.aten._to_copy.default(param, dtype=dtype)
+    return cache.get(param, dtype)
+
+
+class InputGuard(nn.Module):
+    """Checks that inputs match what the graph was converted for: dtype, device, rank, sizes.
+
+    Dims that export kept symbolic may vary within their range; other dims, and every dtype,
+    are fixed, because the casts were decided for them.
+    """
+
+    def __init__(
+        self, names: list[str], specs: list[tuple | None], ranges: dict[str, tuple[int, int | None]],
+        reasons: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.names = names
+        self.specs = specs
+        self.ranges = ranges
+        self.reasons = reasons or {}  # per size: the model's condition that bounds it, and where
+
+    def forward(self, *inputs: Any) -> None:
+        bound: dict[str, int] = {}
+        for name, spec, value in zip(self.names, self.specs, inputs):
+            if spec is None:
+                continue
+            dtype, device_type, dims = spec
+            if not isinstance(value, torch.Tensor):
+                raise InputMismatchError(f"input {name!r}: expected a tensor, got {type(value).__name__}")
+            if value.dtype != dtype or value.device.type != device_type or value.dim() != len(dims):
+                raise InputMismatchError(
+                    f"input {name!r} is {value.dtype} on {value.device.type} with {value.dim()} dims, but the "
+                    f"graph was converted for {dtype} on {device_type} with {len(dims)} dims; the casts depend "
+                    "on it. Way out: call graphamp.convert again with an example input like this one."
+                )
+            for i, (dim, size) in enumerate(zip(dims, value.shape)):
+                if isinstance(dim, int):
+                    if size != dim:
+                        raise InputMismatchError(
+                            f"input {name!r} dim {i} is {size}, but the converted graph fixed it to {dim} "
+                            "(torch.export specialized it while tracing the model's code). Way out: "
+                            "convert again with an example of this shape."
+                        )
+                elif dim in self.ranges:
+                    lo, hi = self.ranges[dim]
+                    if bound.setdefault(dim, size) != size:
+                        raise InputMismatchError(
+                            f"input {name!r} dim {i} is {size}, but another input gave {bound[dim]} for the "
+                            f"same size {dim}. Way out: pass consistent sizes."
+                        )
+                    if size < lo or (hi is not None and size > hi):
+                        why = getattr(self, "reasons", {}).get(dim)
+                        raise InputMismatchError(
+                            f"input {name!r} dim {i} is {size}, outside the range [{lo}, {hi or 'inf'}] the "
+                            "model's code allows for it"
+                            + (f" (the graph was traced where the model's code tested {why})" if why else "")
+                            + ". Way out: convert again with an example of this shape."
+                        )
+
+
+class FrozenDict(dict):
+    """A dict that refuses mutation (unlike MappingProxyType it pickles, so AmpModules save).
+
+    A saved module's :class:`graphamp.Config` holds its op overrides in one.
+    """
+
+    def _readonly(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("Config is frozen; build a new Config instead")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple:
+        return (FrozenDict, (dict(self),))
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items(), key=repr)))
+
 
 # The devices whose autocast state a kept Function sees: graphamp's policies.
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -224,3 +411,87 @@ def apply_graph_function(kept: KeptGraphFunction, *operands: Any) -> Any:
     it (AOTAutograd) records the forward's casts explicitly and the Function's own backward."""
     with autocast_state(kept.autocast, kept.cache_enabled):
         return torch.ops.higher_order.autograd_function_apply(kept.fwd, kept.bwd, *operands, **kept.hop_kwargs)
+
+
+# The functions generated code calls besides torch's ops: a re-trace must record every call.
+_RUNTIME_CALLS = (set_grad_enabled, cached_cast, autocast_cached, apply_function)
+
+
+class AmpTracer(torch.fx.Tracer):
+    """Re-traces a saved AmpModule's code, recording every call of the runtime functions.
+
+    FX's autowrap records a call only when an argument is traced, so ``set_grad_enabled(False)``
+    (constant arguments) would run at trace time and vanish from the graph, and a ``no_grad``
+    region would be lost on load. While tracing, those names in the code's globals are bound to
+    functions that always record.
+    """
+
+    def trace(self, root: Any, concrete_args: Any = None) -> torch.fx.Graph:
+        fn = type(root).forward if isinstance(root, nn.Module) else root
+        globals_ = fn.__globals__
+        bound = {name: value for name, value in globals_.items() if any(value is f for f in _RUNTIME_CALLS)}
+        registry = torch.fx._symbolic_trace._wrapped_fns_to_patch
+        # Files saved by older versions register these names with FX's wrap(), which would wrap
+        # the recording functions again; they are recorded here instead.
+        wrapped = {key: registry.pop(key) for key in list(registry) if key[0] == id(globals_) and key[1] in bound}
+        for name, value in bound.items():
+            globals_[name] = self._recorder(value)
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            globals_.update(bound)
+            registry.update(wrapped)
+
+    def _recorder(self, target: Any) -> Any:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            return self.create_proxy("call_function", target, args, kwargs)
+
+        return record
+
+
+# Where a saved module keeps graphamp's node meta (casts, categories), which a re-trace loses.
+_NODE_META = "_graphamp_node_meta"
+
+
+def _node_key(node: torch.fx.Node) -> str:
+    """A call node's op and target, the same in every process: the code of a re-traced module
+    matches the saved graph's node for node exactly when these keys do."""
+    t = node.target
+    if isinstance(t, (types.FunctionType, types.BuiltinFunctionType)):
+        return f"{node.op} {t.__module__}.{t.__qualname__}"
+    return f"{node.op} {t}"
+
+
+def _node_meta_record(graph: torch.fx.Graph, info_of: Any) -> dict[str, Any]:
+    """What :func:`rebuild_amp_module` restores, for ``AmpModule.__reduce__``: ``info_of(node)``
+    for every call node, in order, and for every ``get_attr`` node by its target. Private: the
+    saved format is the record's shape, not this function."""
+    calls = [n for n in graph.nodes if n.op in ("call_function", "call_module")]
+    attrs = {n.target: info_of(n) for n in graph.find_nodes(op="get_attr")}
+    return {"calls": [(_node_key(n), info_of(n)) for n in calls], "attrs": {k: v for k, v in attrs.items() if v}}
+
+
+def _restore_node_meta(graph: torch.fx.Graph, record: dict[str, Any]) -> None:
+    calls = [n for n in graph.nodes if n.op in ("call_function", "call_module")]
+    # Only where the re-trace gave the saved graph's nodes back one for one; otherwise the module
+    # runs the same and only its report (cast_summary) is empty.
+    if [key for key, _ in record["calls"]] == [_node_key(n) for n in calls]:
+        for node, (_, info) in zip(calls, record["calls"]):
+            if info:
+                node.meta["graphamp"] = info
+    for node in graph.find_nodes(op="get_attr"):
+        if node.target in record["attrs"]:
+            node.meta["graphamp"] = record["attrs"][node.target]
+
+
+def rebuild_amp_module(body: dict[str, Any], import_block: str) -> nn.Module:
+    """A saved ``graphamp.AmpModule`` again, from what its ``__reduce__`` wrote: FX's module
+    state and the code's imports. The code is re-traced with :class:`AmpTracer`."""
+    import graphamp  # loaded already: unpickling this function imported the package
+
+    record = body.pop(_NODE_META, None)
+    forward = _forward_from_src(import_block + (body.get("_code") or body["code"]), {})
+    amp = _deserialize_graph_module(forward, body, graph_module_cls=graphamp.AmpModule)
+    if record is not None:
+        _restore_node_meta(amp.graph, record)
+    return amp

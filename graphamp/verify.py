@@ -47,7 +47,7 @@ from graphamp.emit import AmpModule, emit
 from graphamp.errors import PolicyDriftError
 from graphamp.passes import run_pipeline
 from graphamp.passes._infra import short_dtype
-from graphamp.passes.cache_weights import WeightCache
+from graphamp.runtime import WeightCache
 from graphamp.passes.check_dtypes import CAPTURED
 from graphamp.policy import get_policy
 from graphamp.reference import trace

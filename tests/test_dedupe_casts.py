@@ -6,7 +6,7 @@ from torch import nn
 
 import graphamp
 from graphamp.passes import dedupe_casts, insert_casts
-from graphamp.passes.dedupe_casts import autocast_cached
+from graphamp.runtime import autocast_cached
 from graphamp.policy import get_policy
 from helpers import assert_exact, captured, casts
 

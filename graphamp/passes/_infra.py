@@ -26,13 +26,6 @@ class GradFrame(NamedTuple):
     enabled: bool
 
 
-def set_grad_enabled(enabled: bool) -> bool:
-    """Set grad mode and return the previous one; the graph calls it around a grad-mode region."""
-    prev = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(enabled)
-    return prev
-
-
 def region_of(node: Node) -> tuple[AutocastFrame | GradFrame, ...]:
     return node.meta.get(REGION, ())
 

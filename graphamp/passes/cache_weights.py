@@ -13,71 +13,20 @@ cast is replaced by a low-precision buffer cast once, now.
 
 from __future__ import annotations
 
-import threading
 import weakref
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes._infra import GRAPHAMP, attr_of, is_graphamp_cast
+from graphamp.runtime import WeightCache, cached_cast
 
-__all__ = ["WeightCache", "cached_cast", "cache_weights", "freeze_weights", "WEIGHT_CACHE"]
+__all__ = ["cache_weights", "freeze_weights", "WEIGHT_CACHE"]
 
 WEIGHT_CACHE = "_graphamp_weights"
 _LOW = (torch.float16, torch.bfloat16)
-
-
-class WeightCache(nn.Module):
-    """Low-precision copies of parameters, keyed by (parameter, dtype), stamped with its version."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        # (id(param), dtype) -> (version, data_ptr, low copy)
-        self._entries: dict[tuple[int, torch.dtype], tuple[int, int, torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # This runs once per weight per call, so it stays lean: one dict lookup, two reads.
-        key = (id(param), dtype)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0] == param._version and entry[1] == param.data_ptr():
-            return entry[2]
-        if isinstance(param, FakeTensor):  # no data to reuse (fake CUDA checks): cast as eager does
-            return torch.ops.aten._to_copy.default(param, dtype=dtype)
-        stamp = (param._version, param.data_ptr())
-        # A normal tensor even under inference_mode, so a later grad-mode call may save it.
-        with torch.inference_mode(False), torch.no_grad():
-            low = param.detach().to(dtype)
-        with self._lock:
-            self._entries[key] = (*stamp, low)
-        return low
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_entries"] = {}
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    def __deepcopy__(self, memo: dict) -> WeightCache:
-        return WeightCache()
-
-
-def cached_cast(cache: WeightCache, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``param`` cast to ``dtype``, reusing the copy of an earlier call while ``param`` is unchanged."""
-    if param.requires_grad and torch.is_grad_enabled():
-        return torch.ops.aten._to_copy.default(param, dtype=dtype)
-    return cache.get(param, dtype)
 
 
 def _param_casts(gm: GraphModule) -> list[tuple[Node, Node]]:

@@ -10,7 +10,7 @@ low dtype before casting up once, where separate casts sum them in fp32. So exac
 
 Eager's cache also covers a float32 *input* that is a leaf requiring grad (not a view). Whether an
 input is one is known only at call time, so a floating input's later casts become
-:func:`autocast_cached` calls, which reuse the forward's first cast exactly when eager would.
+:func:`graphamp.runtime.autocast_cached` calls, which reuse the forward's first cast exactly when eager would.
 
 Activations that may carry gradients keep one cast per consumer, as eager does.
 """
@@ -32,8 +32,9 @@ from graphamp.passes._infra import (
     is_graphamp_cast,
     tensor_dtype,
 )
+from graphamp.runtime import autocast_cached
 
-__all__ = ["autocast_cached", "dedupe_casts"]
+__all__ = ["dedupe_casts"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -49,20 +50,6 @@ def _is_cached_param_cast(gm: GraphModule, cast: Node) -> bool:
 def _is_input_cast(cast: Node) -> bool:
     src = cast.args[0]
     return src.op == "placeholder" and tensor_dtype(src) is torch.float32 and cast.kwargs["dtype"] in _LOW
-
-
-def autocast_cached(src: torch.Tensor, first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A later cast of input ``src``: ``first`` (the forward's first cast of it) where eager
-    autocast's cache would hand that out, i.e. ``src`` is a leaf that requires grad and not a view;
-    a fresh cast otherwise.
-
-    >>> x = torch.randn(2, requires_grad=True)
-    >>> first = x.to(torch.bfloat16)
-    >>> assert autocast_cached(x, first, torch.bfloat16) is first and autocast_cached(x * 1, first, torch.bfloat16) is not first
-    """
-    if src.requires_grad and src.is_leaf and not src._is_view():
-        return first
-    return torch.ops.aten._to_copy.default(src, dtype=dtype)
 
 
 def dedupe_casts(gm: GraphModule, *, no_grad: bool = False) -> PassResult:

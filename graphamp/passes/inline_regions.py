@@ -19,9 +19,10 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.errors import CaptureError
-from graphamp.passes._infra import REGION, AutocastFrame, GradFrame, inline_subgraph, region_of, set_grad_enabled
+from graphamp.passes._infra import REGION, AutocastFrame, GradFrame, inline_subgraph, region_of
+from graphamp.runtime import set_grad_enabled
 
-__all__ = ["AutocastFrame", "GradFrame", "inline_regions", "region_of", "set_grad_enabled"]
+__all__ = ["AutocastFrame", "GradFrame", "inline_regions", "region_of"]
 
 _hop = torch.ops.higher_order
 _ENTER = torch.amp.autocast_mode._enter_autocast
