@@ -35,11 +35,11 @@ from torch.fx.experimental.proxy_tensor import make_fx, track_tensor_tree
 
 from graphamp.capture import _below_tracer, ambient_autocast
 from graphamp.config import Config
-from graphamp.convert import MODES, _autocast_off, check_device, resolve_dtype
 from graphamp.errors import OptionError, PolicyDriftError
 from graphamp.fast_paths import composite_for
-from graphamp.passes import check_dtypes, run_pipeline
-from graphamp.policy import DEVICE_TYPES, Policy, get_policy
+from graphamp.passes import build_pipeline, check_dtypes, run_passes
+from graphamp.policy import DEVICE_TYPES, Policy
+from graphamp.spec import MODES, AmpSpec, autocast_off, check_device, infer_device_type, resolve_dtype
 from graphamp.runtime import KeptGraphFunction, apply_graph_function, current_autocast_state
 
 __all__ = ["BackendOptions", "INNER_COMPILERS", "graphamp_backend", "rewrite"]
@@ -134,48 +134,33 @@ def graphamp_backend(
         )
     device_type = opts.device_type or _device_type_of(gm, example_inputs)
     check_device(device_type, gm, list(example_inputs))
-    dtype = resolve_dtype(opts.dtype, device_type)
-    config = opts.config or Config()
-    policy = get_policy(device_type, dtype).with_overrides(config.op_overrides)
     # Dynamo restores the caller's global state while a backend runs and guards on it, so the
     # grad mode now is the one every call of this graph will see.
     inference = not torch.is_grad_enabled() and not _enables_grad(gm)
+    spec = AmpSpec(device_type, resolve_dtype(opts.dtype, device_type), opts.mode, inference, opts.config or Config(), target="aot")
     ambient = torch.is_autocast_enabled(device_type)
-    with _autocast_off():
-        amp_gm = rewrite(
-            gm, example_inputs, policy, config,
-            check=opts.mode == "exact" and config.is_default, inference=inference, ambient=ambient,
-        )
+    with autocast_off():
+        amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient)
         compiled = _hand_off(amp_gm, example_inputs, opts.inner, mode)
     return _run_without_autocast(compiled)
 
 
-def rewrite(
-    gm: GraphModule,
-    example_inputs: Sequence[Any],
-    policy: Policy,
-    config: Config | None = None,
-    *,
-    check: bool = True,
-    inference: bool = False,
-    ambient: bool = False,
-) -> GraphModule:
+def rewrite(gm: GraphModule, example_inputs: Sequence[Any], spec: AmpSpec, *, ambient: bool = False) -> GraphModule:
     """Re-trace dynamo's graph to pre-dispatch ATen and insert the policy's casts.
 
-    ``inference`` declares the graph runs under ``no_grad`` only, so casts are shared freely;
+    ``spec.inference`` declares the graph runs under ``no_grad`` only, so casts are shared freely;
     ``ambient`` says dynamo traced inside an autocast region (it only changes warnings and errors).
 
     >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
-    >>> amp_gm = rewrite(gm, [torch.randn(2, 4)], get_policy("cpu", torch.bfloat16))
+    >>> amp_gm = rewrite(gm, [torch.randn(2, 4)], AmpSpec("cpu", torch.bfloat16, target="aot"))
     >>> assert [n.kwargs["dtype"] for n in amp_gm.graph.nodes if n.target is torch.ops.aten._to_copy.default] == [torch.bfloat16] * 3
     """
-    config = config or Config()
+    policy = spec.policy
     amp_gm = _retrace(gm, example_inputs, policy, ambient=ambient)
-    # No weight cache: AOTAutograd and inductor take the casts from here (freezing folds them).
-    run_pipeline(amp_gm, policy, config, check=False, inference=inference, cache=False, freeze=False, kernel_paths=False)
-    if check:
+    run_passes(amp_gm, spec, build_pipeline(spec, check=False))
+    if spec.check:
         try:
-            check_dtypes(amp_gm)
+            check_dtypes(amp_gm, spec)
         except PolicyDriftError as e:
             if ambient:
                 raise
@@ -190,10 +175,7 @@ def rewrite(
 
 
 def _device_type_of(gm: GraphModule, example_inputs: Sequence[Any]) -> str:
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    tensors += [*gm.parameters(), *gm.buffers()]
-    floating = [t for t in tensors if t.is_floating_point()]
-    device_type = (floating or tensors)[0].device.type if tensors else "cpu"
+    device_type = infer_device_type(gm, list(example_inputs))
     if device_type not in DEVICE_TYPES:
         raise OptionError(
             f"the graph's tensors are on {device_type!r}, which has no graphamp policy; pass "
@@ -450,7 +432,7 @@ def _run_without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
     # never touches, and its fallback kernels (sdpa, convolution backward) are on no list.
     def run(*args: Any) -> Any:
         if torch._C._is_any_autocast_enabled():
-            with torch._C._DisableAutocast():
+            with autocast_off():
                 return fn(*args)
         return fn(*args)
 

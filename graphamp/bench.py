@@ -37,10 +37,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphamp
 from graphamp import zoo
 from graphamp.reference import count_casts, lowered_graph
+from graphamp.spec import DTYPE_ALIASES
 
 __all__ = ["BENCH_MODELS", "VARIANTS", "Row", "run", "DEFAULT_MODELS"]
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("bf16", "fp16")  # the short names of graphamp.spec.DTYPE_ALIASES
 
 # Benchmark sizes: large enough that compute, not Python, is most of a call.
 BENCH_MODELS: dict[str, Callable[[], zoo.Case]] = {
@@ -263,7 +264,7 @@ def run(
         raise ValueError(f"task must be 'infer' or 'train', got {task!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    low = DTYPES[dtype]
+    low = DTYPE_ALIASES[dtype]
     chosen = [v for v in (variants or VARIANTS) if not (task == "infer" and v in TRAIN_ONLY) and not (task == "train" and v in INFER_ONLY)]
     for v in chosen:
         if v not in VARIANTS:

@@ -2,95 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from graphamp.capture import ambient_autocast, capture
+from graphamp.capture import capture
 from graphamp.config import Config
 from graphamp.emit import AmpModule, emit
-from graphamp.errors import DeviceMismatchError
-from graphamp.passes import run_pipeline
+from graphamp.passes import build_pipeline, run_passes
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.probe import eager_sdpa_calls
-from graphamp.policy import DEVICE_TYPES, LOW_DTYPES, Policy, get_policy
+from graphamp.spec import AmpSpec, autocast_off
 
-__all__ = ["convert", "MODES", "resolve_dtype", "resolve_device_type"]
-
-MODES = ("exact",)
-
-_DTYPE_ALIASES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
-
-
-def resolve_dtype(dtype: torch.dtype | str | None, device_type: str) -> torch.dtype:
-    """The lower-precision dtype to use; None means autocast's default for ``device_type``."""
-    if dtype is None:
-        return torch.get_autocast_dtype(device_type)
-    if isinstance(dtype, str):
-        if dtype.removeprefix("torch.") not in _DTYPE_ALIASES:
-            raise ValueError(f"dtype={dtype!r} is not a lower-precision float; use torch.bfloat16 ('bf16') or torch.float16 ('fp16')")
-        return _DTYPE_ALIASES[dtype.removeprefix("torch.")]
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {type(dtype).__name__}")
-    if dtype not in LOW_DTYPES:
-        kind = "a floating" if dtype.is_floating_point else "not a floating"
-        raise ValueError(
-            f"dtype={dtype} is {kind} dtype autocast can lower to; use torch.bfloat16 or torch.float16"
-        )
-    return dtype
-
-
-def resolve_device_type(device_type: str | torch.device | None, model: nn.Module, inputs: Any) -> str:
-    """The autocast device; None means the device of the model's parameters, else of the inputs."""
-    if device_type is None:
-        tensors = [*model.parameters(), *model.buffers(), *(t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor))]
-        device_type = next((t.device.type for t in tensors if t.is_floating_point()), tensors[0].device.type if tensors else "cpu")
-        if device_type not in DEVICE_TYPES:
-            raise ValueError(
-                f"the model's tensors are on {device_type!r}, which has no graphamp policy; pass "
-                f"device_type= one of {DEVICE_TYPES}"
-            )
-        return device_type
-    if isinstance(device_type, torch.device):
-        device_type = device_type.type
-    if not isinstance(device_type, str):
-        raise TypeError(f"device_type must be a string such as 'cpu' or 'cuda', got {type(device_type).__name__}")
-    if device_type not in DEVICE_TYPES:
-        raise ValueError(f"device_type={device_type!r} is not supported; graphamp has policies for {DEVICE_TYPES}")
-    return device_type
-
-
-def check_device(device_type: str, model: nn.Module, inputs: Any) -> None:
-    """Raise DeviceMismatchError if no floating tensor of the model or its inputs is on ``device_type``:
-    autocast leaves tensors on other devices alone, so the conversion would cast nothing."""
-    tensors = [*model.parameters(), *model.buffers(), *(t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor))]
-    floating = [t for t in tensors if t.is_floating_point()]
-    if floating and not any(t.device.type == device_type for t in floating):
-        found = sorted({t.device.type for t in floating})
-        raise DeviceMismatchError(
-            f"device_type={device_type!r} asks for the {device_type} autocast policy, but the model's parameters "
-            f"and inputs are on {', '.join(found)}, where {device_type} autocast casts nothing: the result "
-            f"would run entirely in fp32. Way out: move the model and inputs to {device_type} "
-            f"(model.to({device_type!r})); or, to check the {device_type} policy without that device, use "
-            f"graphamp.verify(model, args, device_type={device_type!r}); or pass device_type={found[0]!r}."
-        )
-
-
-@contextlib.contextmanager
-def _autocast_off() -> Iterator[None]:
-    # The passes re-derive dtypes on fake tensors; an ambient autocast must not apply to them.
-    with contextlib.ExitStack() as stack:
-        for device_type in DEVICE_TYPES:
-            if torch.is_autocast_enabled(device_type):
-                stack.enter_context(ambient_autocast(device_type, torch.get_autocast_dtype(device_type), enabled=False))
-        yield
+__all__ = ["convert"]
 
 
 def observe_eager(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> None:
@@ -139,9 +64,16 @@ def convert(
     ...     expected = model(x)
     >>> assert torch.equal(amp(x), expected)
     """
+    args, kwargs = check_inputs(model, args, kwargs, "graphamp.convert")
+    spec = AmpSpec.resolve(model, (args, kwargs), dtype=dtype, device_type=device_type, mode=mode, inference=inference, config=config)
+    return _convert(model, args, kwargs, spec)
+
+
+def check_inputs(model: object, args: object, kwargs: object, frontend: str) -> tuple[tuple, dict]:
+    """The model and example inputs every frontend takes, checked and normalised."""
     if not isinstance(model, nn.Module):
         raise TypeError(
-            f"graphamp.convert expects a torch.nn.Module, got {type(model).__name__}; wrap a function "
+            f"{frontend} expects a torch.nn.Module, got {type(model).__name__}; wrap a function "
             "in an nn.Module whose forward calls it"
         )
     if isinstance(model, AmpModule):
@@ -152,22 +84,17 @@ def convert(
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of example keyword inputs, got {type(kwargs).__name__}")
-    if not isinstance(inference, bool):
-        raise TypeError(f"inference must be True or False, got {type(inference).__name__}")
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not supported; use one of {MODES}")
-    if config is None:
-        config = Config()
-    elif not isinstance(config, Config):
-        raise TypeError(f"config must be a graphamp.Config, got {type(config).__name__}")
-    kwargs = dict(kwargs or {})
-    device_type = resolve_device_type(device_type, model, (args, kwargs))
-    check_device(device_type, model, (args, kwargs))
-    dtype = resolve_dtype(dtype, device_type)
-    policy: Policy = get_policy(device_type, dtype).with_overrides(config.op_overrides)
+    return tuple(args), dict(kwargs or {})
 
-    with _autocast_off():
-        gm = capture(model, tuple(args), kwargs, device_type=device_type, dtype=dtype)
-        observe_eager(gm, model, tuple(args), kwargs, device_type=device_type, dtype=dtype)
-        run_pipeline(gm, policy, config, check=mode == "exact" and config.is_default, inference=inference)
-        return emit(gm, model, policy, mode, config, inference=inference, example=(tuple(args), kwargs))
+
+def _convert(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> AmpModule:
+    """The conversion core every frontend calls: capture, observe eager, run the passes, emit.
+
+    ``check`` overrides ``spec.check`` (verify rebuilds a drifted conversion without the check, to
+    report where it differs).
+    """
+    with autocast_off():
+        gm = capture(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype)
+        observe_eager(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype)
+        run_passes(gm, spec, build_pipeline(spec, check=check))
+        return emit(gm, model, spec, example=(args, kwargs))

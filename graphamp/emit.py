@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.fx import GraphModule
 
-from graphamp.capture import ambient_autocast
 from graphamp.config import Config
 from graphamp.errors import InputMismatchError
+from graphamp.spec import autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes._infra import attr_of, cast_source, short_dtype, tensor_dtype
-from graphamp.policy import Policy
 from graphamp.runtime import _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, rebuild_amp_module
+
+if TYPE_CHECKING:
+    from graphamp.spec import AmpSpec
 
 __all__ = ["AmpModule", "AmpInfo", "emit", "input_signature", "describe_signature"]
 
@@ -131,7 +133,7 @@ class AmpModule(GraphModule):
 
     def _call_without_autocast(self, info: AmpInfo | None, args: tuple, kwargs: dict) -> Any:
         if info is not None and torch.is_autocast_enabled(info.device_type):
-            with ambient_autocast(info.device_type, info.dtype, enabled=False):
+            with autocast_off((info.device_type,)):
                 return super().__call__(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
@@ -213,10 +215,7 @@ def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
     return module, name
 
 
-def emit(
-    gm: GraphModule, model: nn.Module, policy: Policy, mode: str, config: Config, *,
-    inference: bool = False, example: tuple[tuple, dict] | None = None,
-) -> AmpModule:
+def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tuple, dict] | None = None) -> AmpModule:
     """Wrap the rewritten graph as an AmpModule whose state is the model's own parameters and buffers."""
     graph = gm.graph
     placeholders = graph.find_nodes(op="placeholder")
@@ -248,7 +247,7 @@ def emit(
         if path not in persistent:
             owner, name = _owner(amp, path)
             owner._non_persistent_buffers_set.add(name)
-    amp.__dict__["_graphamp"] = AmpInfo(policy.device_type, policy.dtype, mode, model.training, config, inference)
+    amp.__dict__["_graphamp"] = AmpInfo(spec.device_type, spec.dtype, spec.mode, model.training, spec.config, spec.inference)
     amp.__dict__["_graphamp_frozen"] = frozen
     if example is not None:
         amp.__dict__["_graphamp_signature"] = input_signature(*example)

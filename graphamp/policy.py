@@ -30,6 +30,8 @@ __all__ = [
 class Category(str, enum.Enum):
     """The cast policies of ``autocast_mode.h`` (``CastPolicy``), plus the banned list."""
 
+    __module__ = "graphamp"  # its public path, which saved modules with op overrides name
+
     LOWER_PRECISION_FP = "lower_precision_fp"  # cast every eligible tensor argument to the low dtype
     FP32 = "fp32"  # cast every eligible tensor argument to float32
     FP32_SET_OPT_DTYPE = "fp32_set_opt_dtype"  # if arg 0 is eligible and dtype is None, pass dtype=float32

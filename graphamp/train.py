@@ -29,11 +29,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from graphamp.capture import ambient_autocast
 from graphamp.config import Config
-from graphamp.convert import convert, resolve_device_type, resolve_dtype
+from graphamp.convert import _convert
 from graphamp.emit import AmpModule
 from graphamp.errors import InputMismatchError
+from graphamp.spec import AmpSpec, autocast_off, check_device
 
 __all__ = ["TrainStep", "LossModule", "SCALER_MODES"]
 
@@ -150,18 +150,6 @@ def _check_args(
         raise TypeError(f"accumulate must be a positive int, got {type(accumulate).__name__}")
     if accumulate < 1:
         raise ValueError(f"accumulate must be at least 1 (1 steps on every call), got {accumulate}")
-    if config is not None and not isinstance(config, Config):
-        raise TypeError(f"config must be a graphamp.Config, got {type(config).__name__}")
-
-
-@contextlib.contextmanager
-def _no_runtime_autocast(device_type: str) -> Iterator[None]:
-    # The graph carries its casts; an ambient autocast must not touch the backward or the update.
-    if torch.is_autocast_enabled(device_type):
-        with ambient_autocast(device_type, torch.get_autocast_dtype(device_type), enabled=False):
-            yield
-    else:
-        yield
 
 
 @contextlib.contextmanager
@@ -306,8 +294,8 @@ class TrainStep:
         self.inner = model.module if isinstance(model, DistributedDataParallel) else model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.device_type = resolve_device_type(device_type, self.inner, ())
-        self.dtype = resolve_dtype(dtype, self.device_type)
+        self.spec = AmpSpec.resolve(self.inner, (), dtype=dtype, device_type=device_type, config=config, check_devices=False)
+        self.device_type, self.dtype = self.spec.device_type, self.spec.dtype
         self.scaler = _check_scaler(scaler, self.device_type, self.dtype)
         self.sync_free = scaler == "graph"
         self.max_grad_norm = max_grad_norm
@@ -347,7 +335,7 @@ class TrainStep:
                 f"Way out: call model.{'train' if self.module.graphamp_info.training else 'eval'}() "
                 "before stepping, or build a new TrainStep for the other mode."
             )
-        with _no_runtime_autocast(self.device_type):
+        with autocast_off((self.device_type,)):  # the graph carries its casts
             if self.calls % self.accumulate == 0:
                 self.optimizer.zero_grad(set_to_none=True)
             last = (self.calls + 1) % self.accumulate == 0
@@ -366,7 +354,9 @@ class TrainStep:
 
     def _convert(self, args: tuple, kwargs: dict[str, Any], target: Any) -> AmpModule:
         wrapper = LossModule(self.inner, self.loss_fn)
-        return convert(wrapper, (args, kwargs, target), dtype=self.dtype, device_type=self.device_type, config=self.config)
+        inputs = (args, kwargs, target)
+        check_device(self.spec.device_type, wrapper, inputs)
+        return _convert(wrapper, inputs, {}, self.spec)
 
     def _loss(self, args: tuple, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         module = self.module

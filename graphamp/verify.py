@@ -42,15 +42,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphamp.capture import ambient_autocast, capture
 from graphamp.config import Config
-from graphamp.convert import _autocast_off, convert, resolve_device_type, resolve_dtype
-from graphamp.emit import AmpModule, emit
+from graphamp.convert import _convert as convert_core, check_inputs
+from graphamp.emit import AmpModule
 from graphamp.errors import PolicyDriftError
-from graphamp.passes import run_pipeline
 from graphamp.passes._infra import short_dtype
 from graphamp.runtime import WeightCache
 from graphamp.passes.check_dtypes import CAPTURED
-from graphamp.policy import get_policy
 from graphamp.reference import trace
+from graphamp.spec import AmpSpec, autocast_off
 
 __all__ = ["verify", "Report", "OutputCheck", "GradCheck", "Divergence", "GradDivergence", "OpSignature", "op_signatures", "first_divergence"]
 
@@ -545,17 +544,14 @@ def _count_casts(gm: GraphModule) -> int:
 def _convert(
     model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, device_type: str, mode: str, config: Config | None
 ) -> tuple[AmpModule, list[str]]:
+    spec = AmpSpec(device_type, dtype, mode, config=config or Config())
     try:
-        return convert(model, args, kwargs, dtype=dtype, device_type=device_type, mode=mode, config=config), []
+        return convert_core(model, args, kwargs, spec), []
     except PolicyDriftError as e:
         # Convert's own check stops at the first drifted node; rebuild without it so the report
         # can say where and how the result differs from eager.
-        config = config or Config()
-        policy = get_policy(device_type, dtype).with_overrides(config.op_overrides)
-        gm = capture(model, tuple(args), dict(kwargs), device_type=device_type, dtype=dtype)
-        run_pipeline(gm, policy, config, check=False)
         note = f"graphamp.convert raised PolicyDriftError: {str(e).splitlines()[0][:300]}"
-        return emit(gm, model, policy, mode, config), [note]
+        return convert_core(model, args, kwargs, spec, check=False), [note]
 
 
 def _compare_outputs(out: Any, ref: Any, values: bool) -> tuple[tuple[OutputCheck, ...], bool]:
@@ -977,19 +973,12 @@ def verify(
     >>> report = verify(model, (x,), grads=True)
     >>> assert report.ok and [g.name for g in report.grads][-2:] == ["0.norm.bias", "args[0]"]
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"graphamp.verify expects a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(args, torch.Tensor):
-        args = (args,)
-    if not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise TypeError(f"kwargs must be a dict of example keyword inputs, got {type(kwargs).__name__}")
+    args, kwargs = check_inputs(model, args, kwargs, "graphamp.verify")
     if not isinstance(grads, bool):
         raise TypeError(f"grads must be True or False, got {grads!r}")
-    args, kwargs = tuple(args), dict(kwargs or {})
-    device_type = resolve_device_type(device_type, model, (args, kwargs))
-    dtype = resolve_dtype(dtype, device_type)
+    # No device check: a CPU model under the CUDA policy is checked on fake CUDA tensors.
+    spec = AmpSpec.resolve(model, (args, kwargs), dtype=dtype, device_type=device_type, mode=mode, config=config, check_devices=False)
+    device_type, dtype = spec.device_type, spec.dtype
     fake = device_type == "cuda" and not _uses_real_cuda(model, (args, kwargs))
     if fake and grads:
         raise ValueError(
@@ -1000,7 +989,7 @@ def verify(
         )
     grad_checks: tuple[GradCheck, ...] = ()
     grad_divergence, grad_notes = None, []
-    with _autocast_off():
+    with autocast_off():
         if fake:
             sides = _run_fake_cuda(model, args, kwargs, dtype, mode, config)
         else:

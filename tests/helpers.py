@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import graphamp
+from graphamp.spec import AmpSpec
 from graphamp.reference import count_casts, eager_autocast_graph, lowered_graph
 
 
@@ -96,10 +97,16 @@ def captured(model: nn.Module, args: tuple, *, dtype: torch.dtype = torch.bfloat
     from graphamp.passes import inline_regions, record_dtypes, strip_asserts
 
     gm = capture(model, args, {}, device_type=device_type, dtype=dtype)
-    record_dtypes(gm)
-    inline_regions(gm)
-    strip_asserts(gm)
+    spec = AmpSpec(device_type, dtype)
+    record_dtypes(gm, spec)
+    inline_regions(gm, spec)
+    strip_asserts(gm, spec)
     return gm
+
+
+def spec_of(policy, **fields) -> AmpSpec:
+    """The spec of a built-in policy (plus spec fields such as inference=True or config=...)."""
+    return AmpSpec(policy.device_type, policy.dtype, **fields)
 
 
 def targets(gm: torch.fx.GraphModule) -> list:

@@ -21,6 +21,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 import graphamp
 from graphamp.backend import BackendOptions, graphamp_backend, rewrite
+from graphamp.spec import AmpSpec
 from graphamp.policy import get_policy
 from conftest import build_case
 from helpers import _loss, assert_same_grads, assert_same_outputs, float_leaves, matmul_function, run_eager
@@ -347,7 +348,7 @@ def test_transformer_encoder_inference_runs_the_composite_in_mixed_precision():
 
     def backend(gm, example_inputs):
         seen.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
-        amp_gm = rewrite(gm, example_inputs, get_policy("cpu", torch.bfloat16), inference=True)
+        amp_gm = rewrite(gm, example_inputs, AmpSpec("cpu", torch.bfloat16, inference=True, target="aot"))
         seen.append(amp_gm)
         return graphamp_backend(gm, example_inputs, options=EAGER)
 

@@ -8,7 +8,7 @@ import graphamp
 from graphamp.passes import dedupe_casts, insert_casts
 from graphamp.runtime import autocast_cached
 from graphamp.policy import get_policy
-from helpers import assert_exact, captured, casts
+from helpers import spec_of, assert_exact, captured, casts
 
 BF16 = get_policy("cpu", torch.bfloat16)
 
@@ -31,7 +31,7 @@ class Shared(nn.Module):
 
 def _rewritten():
     gm = captured(Shared(), (torch.randn(2, 4),))
-    insert_casts(gm, BF16)
+    insert_casts(gm, spec_of(BF16))
     return gm
 
 
@@ -43,17 +43,17 @@ def test_shares_eager_cached_weight_casts_and_grad_free_casts_only():
     gm = _rewritten()
     before = _sources(gm)
     assert before.count("relu") == 4 and before.count("q_weight") == 2 and before.count("table") == 3
-    assert dedupe_casts(gm).modified
+    assert dedupe_casts(gm, spec_of(BF16)).modified
     after = _sources(gm)
     assert after.count("relu") == 4  # may carry gradients: one cast per consumer, as eager
     assert after.count("q_weight") == 1  # eager's autocast cache shares a grad-requiring weight's cast
     assert after.count("table") == 1  # a buffer never carries a gradient
-    assert not dedupe_casts(gm).modified  # idempotent
+    assert not dedupe_casts(gm, spec_of(BF16)).modified  # idempotent
 
 
 def test_no_grad_shares_everything():
     gm = _rewritten()
-    dedupe_casts(gm, no_grad=True)
+    dedupe_casts(gm, spec_of(BF16, inference=True))
     assert _sources(gm).count("relu") == 1
 
 
@@ -98,7 +98,7 @@ def test_input_casts_are_shared_exactly_when_eager_caches_them(kind):
     model = TwoViews()
     amp = graphamp.convert(model, (torch.randn(3, 4),))
     assert len(casts(amp)) == 1 and sum(n.target is autocast_cached for n in amp.graph.nodes) == 1
-    assert not dedupe_casts(amp).modified  # idempotent, also over cache_weights' cached casts
+    assert not dedupe_casts(amp, spec_of(BF16)).modified  # idempotent, also over cache_weights' cached casts
     want, got = _run(_autocast(model), model, kind), _run(amp, model, kind)
     assert torch.equal(got[0], want[0])
     assert (got[1] is None and want[1] is None) or torch.equal(got[1], want[1])

@@ -6,7 +6,7 @@ from torch import nn
 import graphamp
 from graphamp.passes import fold_casts, insert_casts
 from graphamp.policy import get_policy
-from helpers import assert_exact, captured, casts
+from helpers import spec_of, assert_exact, captured, casts
 
 BF16 = get_policy("cpu", torch.bfloat16)
 aten = torch.ops.aten
@@ -28,7 +28,7 @@ class RoundTrip(nn.Module):
 
 def _rewritten():
     gm = captured(RoundTrip(), (torch.randn(2, 4),))
-    insert_casts(gm, BF16)
+    insert_casts(gm, spec_of(BF16))
     return gm
 
 
@@ -36,13 +36,13 @@ def test_folds_round_trips_and_same_dtype_casts():
     gm = _rewritten()
     to_nodes = [n for n in gm.graph.nodes if n.target is aten.to.dtype]
     assert len(to_nodes) == 4
-    assert fold_casts(gm).modified
+    assert fold_casts(gm, spec_of(BF16)).modified
     b_linears = [n for n in gm.graph.nodes if n.target is aten.linear.default][1:]
     assert b_linears[0].args[0].name == "linear"  # fed straight from a's bf16 output
     assert b_linears[1].args[0].target is aten._to_copy.default  # fp32 -> bf16 kept
     remaining = [n for n in gm.graph.nodes if n.target is aten.to.dtype]
     assert [n.args[0] for n in remaining] == [b_linears[1]]  # only the real up-cast at the end
-    assert not fold_casts(gm).modified
+    assert not fold_casts(gm, spec_of(BF16)).modified
 
 
 def test_never_folds_fp32_low_fp32():
@@ -51,8 +51,8 @@ def test_never_folds_fp32_low_fp32():
             return x.to(torch.bfloat16).float()
 
     gm = captured(Down(), (torch.randn(3),))
-    insert_casts(gm, BF16)
-    assert not fold_casts(gm).modified
+    insert_casts(gm, spec_of(BF16))
+    assert not fold_casts(gm, spec_of(BF16)).modified
 
 
 def test_branching_round_trip_is_kept_when_gradients_can_flow():
@@ -67,11 +67,11 @@ def test_branching_round_trip_is_kept_when_gradients_can_flow():
 
     model, x = Branch(), torch.randn(2, 4)
     gm = captured(model, (x,))
-    insert_casts(gm, BF16)
+    insert_casts(gm, spec_of(BF16))
     n_before = len(casts(gm))
-    fold_casts(gm)
+    fold_casts(gm, spec_of(BF16))
     assert len(casts(gm)) == n_before
-    fold_casts(gm, no_grad=True)
+    fold_casts(gm, spec_of(BF16, inference=True))
     assert len(casts(gm)) == n_before - 1
     assert_exact(model, graphamp.convert(model, (x,)), (x,), {}, torch.bfloat16)
 

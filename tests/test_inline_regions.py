@@ -9,7 +9,10 @@ import graphamp
 from graphamp.capture import capture
 from graphamp.passes import inline_regions
 from graphamp.passes.inline_regions import AutocastFrame, GradFrame, region_of
+from graphamp.spec import AmpSpec
 from helpers import assert_exact
+
+SPEC = AmpSpec("cpu", torch.bfloat16)
 
 
 class Regions(nn.Module):
@@ -34,13 +37,13 @@ def _hops(gm):
 def test_export_regions_become_tagged_nodes():
     gm = capture(Regions(), (torch.randn(2, 4),), {}, device_type="cpu", dtype=torch.bfloat16)
     assert len(_hops(gm)) == 2  # one autocast region (with a nested one inside), one no_grad region
-    result = inline_regions(gm)
+    result = inline_regions(gm, SPEC)
     assert result.modified and not _hops(gm)
     linears = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
     assert region_of(linears[0]) == (AutocastFrame("cpu", torch.bfloat16, False),)
     assert region_of(linears[1]) == (AutocastFrame("cpu", torch.bfloat16, False), AutocastFrame("cpu", torch.float16, True))
     assert region_of(linears[2]) == (GradFrame(False),)
-    assert not inline_regions(gm).modified  # idempotent
+    assert not inline_regions(gm, SPEC).modified  # idempotent
 
 
 def test_no_grad_region_keeps_its_semantics():
@@ -63,7 +66,7 @@ def test_autocast_markers_from_make_fx():
 
     gm = make_fx(f, pre_dispatch=True)(torch.randn(2, 4))
     assert any(n.target is torch.amp.autocast_mode._enter_autocast for n in gm.graph.nodes)
-    inline_regions(gm)
+    inline_regions(gm, SPEC)
     assert not any(n.target in (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast) for n in gm.graph.nodes)
     linears = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
     assert region_of(linears[0])[0] == AutocastFrame("cpu", None, False) or region_of(linears[0])[0].enabled is False

@@ -9,7 +9,7 @@ import graphamp
 from graphamp.passes import insert_casts
 from graphamp.policy import get_policy
 from graphamp._fake_cuda import fake_cuda_model
-from helpers import captured, casts, targets
+from helpers import spec_of, captured, casts, targets
 
 aten = torch.ops.aten
 BF16 = get_policy("cpu", torch.bfloat16)
@@ -31,7 +31,7 @@ def _cast_dtypes(gm):
 
 def _rewrite(fn, *args, params=(), policy=BF16):
     gm = captured(Fn(fn, *params), args, dtype=policy.dtype, device_type=policy.device_type)
-    insert_casts(gm, policy)
+    insert_casts(gm, spec_of(policy))
     return gm
 
 
@@ -120,7 +120,7 @@ def _cuda_rewrite(fn, *shapes):
         model = fake_cuda_model(Fn(fn))
         args = tuple(torch.randn(*s, device="cuda") for s in shapes)
         gm = captured(model, args, dtype=policy.dtype, device_type="cuda")
-        insert_casts(gm, policy)
+        insert_casts(gm, spec_of(policy))
     return gm
 
 
@@ -148,7 +148,7 @@ def test_cuda_policy_casts_for_fp32_ops():
 def test_fp32_module_config_wins_over_the_lists():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     gm = captured(model, (torch.randn(2, 4),))
-    insert_casts(gm, BF16, graphamp.Config(fp32_modules=("1",)))
+    insert_casts(gm, spec_of(BF16, config=graphamp.Config(fp32_modules=("1",))))
     second = [n for n in gm.graph.nodes if n.target is aten.linear.default][1]
     assert second.meta["graphamp"]["dtype"] is torch.float32
     assert "kept in fp32" in second.meta["graphamp"]["reason"]

@@ -139,8 +139,6 @@ def test_saved_module_round_trips_with_every_runtime_call():
     assert loaded.get_parameter("head.weight").grad is not None
 
 
-@pytest.mark.xfail(strict=True, reason="graphamp.policy.Category is pickled by its defining module; "
-                   "it needs __module__ = 'graphamp' in graphamp/policy.py (then drop this xfail)")
 def test_saved_config_overrides_name_only_the_top_level():
     config = graphamp.Config(op_overrides={"gelu": "fp32"})
     amp = graphamp.convert(nn.Sequential(nn.Linear(4, 4), nn.GELU()), (torch.randn(2, 4),), config=config)

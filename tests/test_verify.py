@@ -299,7 +299,7 @@ def _share_activation_casts(monkeypatch):
     precision before casting back, where eager casts each to fp32 and sums there.
     """
     verify_module = sys.modules["graphamp.verify"]
-    real_convert = verify_module.convert
+    real_convert = verify_module.convert_core
 
     def convert(*args, **kwargs):
         amp = real_convert(*args, **kwargs)
@@ -315,7 +315,7 @@ def _share_activation_casts(monkeypatch):
         amp.recompile()
         return amp
 
-    monkeypatch.setattr(verify_module, "convert", convert)
+    monkeypatch.setattr(verify_module, "convert_core", convert)
 
 
 def test_gradients_that_alone_differ_are_caught_and_localised(monkeypatch, tmp_path):

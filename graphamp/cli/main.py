@@ -10,9 +10,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from graphamp.cli import bench as bench_cli
+from graphamp.spec import DTYPE_ALIASES
 from graphamp.cli import verify as verify_cli
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _default_model() -> str:
@@ -29,7 +29,7 @@ def convert_demo(args: argparse.Namespace) -> int:
     from graphamp import zoo
     from graphamp.passes._infra import short_dtype
 
-    dtype = DTYPES[args.dtype]
+    dtype = DTYPE_ALIASES[args.dtype]
     case = zoo.build(args.model)
     model = case.model.train() if args.train else case.model.eval()
     inputs, kwargs = case.inputs
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("convert-demo", help="convert a built-in model and check it against eager autocast")
     demo.add_argument("--model", default=None, help="built-in model name or module:factory (default: bert, or transformer_encoder without transformers)")
-    demo.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    demo.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     demo.add_argument("--train", action="store_true", help="convert in training mode")
     demo.add_argument("--print-graph", action="store_true", help="print the rewritten graph's code")
     demo.set_defaults(func=convert_demo)

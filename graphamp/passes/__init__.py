@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from torch.fx import GraphModule
+import dataclasses
+from collections.abc import Callable
 
-from graphamp.config import Config
+import torch
+from torch.fx import GraphModule
+from torch.fx.passes.infra.pass_base import PassResult
+
 from graphamp.passes.cache_weights import cache_weights, freeze_weights
 from graphamp.passes.check_dtypes import check_dtypes, record_dtypes
 from graphamp.passes.dedupe_casts import dedupe_casts
@@ -13,7 +17,7 @@ from graphamp.passes.follow_eager_attention import follow_eager_attention
 from graphamp.passes.inline_regions import inline_regions
 from graphamp.passes.insert_casts import insert_casts
 from graphamp.passes.strip_asserts import strip_asserts
-from graphamp.policy import Policy
+from graphamp.spec import AmpSpec
 
 __all__ = [
     "cache_weights",
@@ -26,32 +30,58 @@ __all__ = [
     "insert_casts",
     "record_dtypes",
     "strip_asserts",
-    "run_pipeline",
+    "Pass",
+    "build_pipeline",
+    "run_passes",
 ]
 
 
-def run_pipeline(
-    gm: GraphModule, policy: Policy, config: Config, *, check: bool, inference: bool = False, cache: bool = True,
-    freeze: bool | None = None, kernel_paths: bool = True,
-) -> GraphModule:
-    """Run the rewrite on a captured graph.
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One step of the pipeline: a name and a function ``(gm, spec) -> PassResult``."""
 
-    ``check`` compares every dtype with eager's; ``inference`` declares no gradient will ever be
-    taken (casts are shared freely and, unless ``freeze=False``, weights frozen to low precision);
-    ``cache`` keeps weights' low-precision copies across calls; ``kernel_paths`` follows eager's
-    oneDNN kernel path for nn.LSTM (off where AOTAutograd traces the graph).
+    name: str
+    run: Callable[[GraphModule, AmpSpec], PassResult]
+
+
+def build_pipeline(spec: AmpSpec, *, check: bool | None = None) -> list[Pass]:
+    """The passes a conversion runs, in order, for what ``spec`` asks.
+
+    ``check`` overrides ``spec.check`` (compare every dtype with eager's).
+
+    >>> spec = AmpSpec("cpu", torch.bfloat16, inference=True)
+    >>> assert [p.name for p in build_pipeline(spec)][-2:] == ["freeze_weights", "cache_weights"]
     """
-    record_dtypes(gm)
-    inline_regions(gm)
-    strip_asserts(gm)
-    follow_eager_attention(gm)
-    insert_casts(gm, policy, config, kernel_paths=kernel_paths)
-    dedupe_casts(gm, no_grad=inference)
-    fold_casts(gm, no_grad=inference)
-    if check:
-        check_dtypes(gm)
-    if inference if freeze is None else freeze:
-        freeze_weights(gm)
-    if cache:
-        cache_weights(gm)
+    steps = [
+        Pass("record_dtypes", record_dtypes),
+        Pass("inline_regions", inline_regions),
+        Pass("strip_asserts", strip_asserts),
+        Pass("follow_eager_attention", follow_eager_attention),
+        Pass("insert_casts", insert_casts),
+        Pass("dedupe_casts", dedupe_casts),
+        Pass("fold_casts", fold_casts),
+    ]
+    if spec.check if check is None else check:
+        steps.append(Pass("check_dtypes", check_dtypes))
+    if spec.target == "module":
+        # AOTAutograd and inductor take the casts as they are (freezing folds them there).
+        if spec.inference:
+            steps.append(Pass("freeze_weights", freeze_weights))
+        steps.append(Pass("cache_weights", cache_weights))
+    return steps
+
+
+def run_passes(gm: GraphModule, spec: AmpSpec, passes: list[Pass], *, lint: bool = False) -> GraphModule:
+    """Run ``passes`` on ``gm`` in order. Any exception names the pass that raised it and the
+    passes before it (as a note: its type and message stay what the pass raised); ``lint``
+    checks the graph after every pass."""
+    for i, step in enumerate(passes):
+        try:
+            step.run(gm, spec)
+            if lint:
+                gm.graph.lint()
+        except Exception as e:
+            done = ", ".join(p.name for p in passes[:i]) or "none"
+            e.add_note(f"in graphamp pass {step.name} (passes run before it: {done})")
+            raise
     return gm

@@ -13,6 +13,8 @@ cast is replaced by a low-precision buffer cast once, now.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import weakref
 
 import torch
@@ -22,6 +24,9 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes._infra import GRAPHAMP, attr_of, is_graphamp_cast
 from graphamp.runtime import WeightCache, cached_cast
+
+if TYPE_CHECKING:
+    from graphamp.spec import AmpSpec
 
 __all__ = ["cache_weights", "freeze_weights", "WEIGHT_CACHE"]
 
@@ -40,7 +45,7 @@ def _param_casts(gm: GraphModule) -> list[tuple[Node, Node]]:
     return found
 
 
-def cache_weights(gm: GraphModule) -> PassResult:
+def cache_weights(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Route every parameter's low-precision cast through a cache that persists across calls."""
     casts = _param_casts(gm)
     if not casts:
@@ -62,7 +67,7 @@ def cache_weights(gm: GraphModule) -> PassResult:
     return PassResult(gm, True)
 
 
-def freeze_weights(gm: GraphModule) -> PassResult:
+def freeze_weights(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Replace parameters used only through one low-precision cast by buffers cast once, now."""
     graph = gm.graph
     sources: dict[str, weakref.ref] = gm.meta.setdefault("graphamp_frozen", {})

@@ -7,18 +7,23 @@ node; a disagreement means the tables drifted from the installed torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.errors import PolicyDriftError
 from graphamp.passes._infra import dtypes_of
 
+if TYPE_CHECKING:
+    from graphamp.spec import AmpSpec
+
 __all__ = ["CAPTURED", "record_dtypes", "check_dtypes"]
 
 CAPTURED = "graphamp_captured"
 
 
-def record_dtypes(gm: GraphModule) -> PassResult:
+def record_dtypes(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Remember each node's captured (eager-autocast) output dtypes in ``meta["graphamp_captured"]``."""
     for node in gm.graph.nodes:
         if "val" in node.meta:
@@ -26,7 +31,7 @@ def record_dtypes(gm: GraphModule) -> PassResult:
     return PassResult(gm, False)
 
 
-def check_dtypes(gm: GraphModule) -> PassResult:
+def check_dtypes(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Raise PolicyDriftError at the first node whose dtype differs from eager autocast's."""
     # Where graphamp follows the kernel path eager runs (an LSTM on oneDNN) and capture's fake
     # tensors took another, capture knows nothing of eager's dtypes for those nodes and what is

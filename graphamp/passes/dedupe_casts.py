@@ -17,6 +17,8 @@ Activations that may carry gradients keep one cast per consumer, as eager does.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.fx import GraphModule, Node
@@ -33,6 +35,9 @@ from graphamp.passes._infra import (
     tensor_dtype,
 )
 from graphamp.runtime import autocast_cached
+
+if TYPE_CHECKING:
+    from graphamp.spec import AmpSpec
 
 __all__ = ["dedupe_casts"]
 
@@ -52,12 +57,12 @@ def _is_input_cast(cast: Node) -> bool:
     return src.op == "placeholder" and tensor_dtype(src) is torch.float32 and cast.kwargs["dtype"] in _LOW
 
 
-def dedupe_casts(gm: GraphModule, *, no_grad: bool = False) -> PassResult:
+def dedupe_casts(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Merge casts of one value to one dtype where eager shares them or no gradient can tell.
 
-    ``no_grad=True`` declares the module will never be differentiated, so every cast is shared.
+    ``spec.inference`` declares the module will never be differentiated, so every cast is shared.
     """
-    free = grad_free_nodes(gm, no_grad=no_grad)
+    free = grad_free_nodes(gm, no_grad=spec.inference)
     first: dict[tuple, Node] = {}
     first_input: dict[tuple, Node] = {}
     modified = False

@@ -8,11 +8,16 @@ same dtype and order; a branching one is folded only where no gradient can flow.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes._infra import cast_source, grad_free_nodes, has_mutating_user, is_graphamp_cast, tensor_dtype
+
+if TYPE_CHECKING:
+    from graphamp.spec import AmpSpec
 
 __all__ = ["fold_casts"]
 
@@ -37,12 +42,12 @@ def _folded_source(node: Node, free: set[Node]) -> Node | None:
     return None
 
 
-def fold_casts(gm: GraphModule, *, no_grad: bool = False) -> PassResult:
+def fold_casts(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Replace no-op casts by their source and drop casts left without users.
 
-    ``no_grad=True`` declares the module will never be differentiated, so every round trip folds.
+    ``spec.inference`` declares the module will never be differentiated, so every round trip folds.
     """
-    free = grad_free_nodes(gm, no_grad=no_grad)
+    free = grad_free_nodes(gm, no_grad=spec.inference)
     modified = False
     for node in list(gm.graph.nodes):
         src = _folded_source(node, free)

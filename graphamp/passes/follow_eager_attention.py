@@ -15,6 +15,8 @@ input can make the rewrite wrong; it only restores eager's gradient rounding.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import warnings
 
 import torch
@@ -23,6 +25,9 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.errors import EagerPathWarning
 from graphamp.passes._infra import GRAPHAMP, fake_mode_of, recompute_val, val_of
+
+if TYPE_CHECKING:
+    from graphamp.spec import AmpSpec
 
 __all__ = ["EAGER_SDPA", "follow_eager_attention", "repeated_heads"]
 
@@ -93,7 +98,7 @@ def _warn_mask_dependent(node: Node, call: object) -> None:
     )
 
 
-def follow_eager_attention(gm: GraphModule) -> PassResult:
+def follow_eager_attention(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Give each SDPA call the grouped key/value heads and ``enable_gqa`` where eager did."""
     eager = gm.meta.get(EAGER_SDPA)
     nodes = list(gm.graph.find_nodes(op="call_function", target=SDPA))

@@ -14,6 +14,8 @@ autocast remains). Grad-mode frames stay as explicit grad-mode calls.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
@@ -21,6 +23,9 @@ from torch.fx.passes.infra.pass_base import PassResult
 from graphamp.errors import CaptureError
 from graphamp.passes._infra import REGION, AutocastFrame, GradFrame, inline_subgraph, region_of
 from graphamp.runtime import set_grad_enabled
+
+if TYPE_CHECKING:
+    from graphamp.spec import AmpSpec
 
 __all__ = ["AutocastFrame", "GradFrame", "inline_regions", "region_of"]
 
@@ -107,7 +112,7 @@ def _inline_markers(gm: GraphModule) -> bool:
     return bool(markers) or tagged
 
 
-def inline_regions(gm: GraphModule) -> PassResult:
+def inline_regions(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Replace region higher-order ops and autocast markers by region-tagged plain nodes."""
     modified = _inline_hops(gm)
     modified |= _inline_markers(gm)

@@ -20,6 +20,8 @@ Each op node gets ``node.meta["graphamp"] = {"category", "dtype", "reason"}``; e
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import warnings
 from typing import Any
 
@@ -47,6 +49,9 @@ from graphamp.passes._infra import (
 )
 from graphamp.passes.inline_regions import AutocastFrame, region_of
 from graphamp.policy import APPEND_DTYPE_TARGETS, Category, Policy, lstm_uses_onednn, op_key
+
+if TYPE_CHECKING:
+    from graphamp.spec import AmpSpec
 
 __all__ = ["insert_casts"]
 
@@ -438,13 +443,13 @@ def _where(node: Node) -> str:
     return "at the top level of forward"
 
 
-def insert_casts(gm: GraphModule, policy: Policy, config: Config | None = None, *, kernel_paths: bool = True) -> PassResult:
+def insert_casts(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Insert explicit casts so every op receives the dtypes eager autocast would give it.
 
-    ``kernel_paths`` decomposes nn.LSTM along the oneDNN kernel path eager takes (one
-    ``mkldnn_rnn_layer`` per layer and direction); off for graphs AOTAutograd will trace.
+    For an AmpModule (``spec.target == "module"``) nn.LSTM follows the oneDNN kernel path eager
+    takes (one ``mkldnn_rnn_layer`` per layer and direction); not for graphs AOTAutograd traces.
     """
-    rewriter = _Rewriter(gm, policy, config or Config(), kernel_paths)
+    rewriter = _Rewriter(gm, spec.policy, spec.config, kernel_paths=spec.target == "module")
     rewriter.run()
     if rewriter.modified:
         gm.graph.lint()

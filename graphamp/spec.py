@@ -1,0 +1,196 @@
+"""What a conversion is asked for, resolved and validated once: the spec every frontend hands on.
+
+``convert``, ``verify``, ``TrainStep`` and the ``torch.compile`` backend all resolve their
+arguments here into one frozen :class:`AmpSpec`; the capture, the pass pipeline and emit read only
+the spec. A new mode or option is therefore added here, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from graphamp.config import Config
+from graphamp.errors import DeviceMismatchError
+from graphamp.policy import DEVICE_TYPES, LOW_DTYPES, Policy, get_policy
+
+__all__ = [
+    "AmpSpec",
+    "DTYPE_ALIASES",
+    "MODES",
+    "TARGETS",
+    "autocast_off",
+    "check_device",
+    "infer_device_type",
+    "resolve_device_type",
+    "resolve_dtype",
+]
+
+MODES = ("exact",)
+TARGETS = ("module", "aot")
+
+# The one table of dtype spellings every frontend and the CLI accept.
+DTYPE_ALIASES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device_type: str) -> torch.dtype:
+    """The lower-precision dtype to use; None means autocast's default for ``device_type``.
+
+    >>> assert resolve_dtype("fp16", "cpu") is torch.float16 and resolve_dtype(None, "cpu") is torch.bfloat16
+    """
+    if dtype is None:
+        return torch.get_autocast_dtype(device_type)
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in DTYPE_ALIASES:
+            raise ValueError(f"dtype={dtype!r} is not a lower-precision float; use torch.bfloat16 ('bf16') or torch.float16 ('fp16')")
+        return DTYPE_ALIASES[dtype.removeprefix("torch.")]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {type(dtype).__name__}")
+    if dtype not in LOW_DTYPES:
+        kind = "a floating" if dtype.is_floating_point else "not a floating"
+        raise ValueError(
+            f"dtype={dtype} is {kind} dtype autocast can lower to; use torch.bfloat16 or torch.float16"
+        )
+    return dtype
+
+
+def _tensors(model: nn.Module, inputs: Any) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers(), *(t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor))]
+
+
+def infer_device_type(model: nn.Module, inputs: Any) -> str:
+    """The device of the model's floating parameters and buffers, else of its inputs ("cpu" if none)."""
+    tensors = _tensors(model, inputs)
+    return next((t.device.type for t in tensors if t.is_floating_point()), tensors[0].device.type if tensors else "cpu")
+
+
+def resolve_device_type(device_type: str | torch.device | None, model: nn.Module, inputs: Any) -> str:
+    """The autocast device; None means the device of the model's parameters, else of the inputs."""
+    if device_type is None:
+        device_type = infer_device_type(model, inputs)
+        if device_type not in DEVICE_TYPES:
+            raise ValueError(
+                f"the model's tensors are on {device_type!r}, which has no graphamp policy; pass "
+                f"device_type= one of {DEVICE_TYPES}"
+            )
+        return device_type
+    if isinstance(device_type, torch.device):
+        device_type = device_type.type
+    if not isinstance(device_type, str):
+        raise TypeError(f"device_type must be a string such as 'cpu' or 'cuda', got {type(device_type).__name__}")
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type={device_type!r} is not supported; graphamp has policies for {DEVICE_TYPES}")
+    return device_type
+
+
+def check_device(device_type: str, model: nn.Module, inputs: Any) -> None:
+    """Raise DeviceMismatchError if no floating tensor of the model or its inputs is on ``device_type``:
+    autocast leaves tensors on other devices alone, so the conversion would cast nothing."""
+    floating = [t for t in _tensors(model, inputs) if t.is_floating_point()]
+    if floating and not any(t.device.type == device_type for t in floating):
+        found = sorted({t.device.type for t in floating})
+        raise DeviceMismatchError(
+            f"device_type={device_type!r} asks for the {device_type} autocast policy, but the model's parameters "
+            f"and inputs are on {', '.join(found)}, where {device_type} autocast casts nothing: the result "
+            f"would run entirely in fp32. Way out: move the model and inputs to {device_type} "
+            f"(model.to({device_type!r})); or, to check the {device_type} policy without that device, use "
+            f"graphamp.verify(model, args, device_type={device_type!r}); or pass device_type={found[0]!r}."
+        )
+
+
+def check_mode(mode: object) -> str:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not supported; use one of {MODES}")
+    return mode
+
+
+def check_config(config: object) -> Config:
+    if config is None:
+        return Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a graphamp.Config, got {type(config).__name__}")
+    return config
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpSpec:
+    """One conversion's request, resolved: every field is valid and nothing is left to infer.
+
+    >>> spec = AmpSpec.resolve(nn.Linear(2, 2), (), dtype="fp16")
+    >>> assert (spec.device_type, spec.dtype, spec.mode, spec.check) == ("cpu", torch.float16, "exact", True)
+    """
+
+    # "cpu" or "cuda": the autocast policy's device.
+    device_type: str
+    # torch.bfloat16 or torch.float16: the lower-precision dtype.
+    dtype: torch.dtype
+    # "exact" reproduces eager autocast bit for bit.
+    mode: str = "exact"
+    # Deployment: no gradient path is kept, casts are shared freely, weights are frozen low.
+    inference: bool = False
+    # Op overrides and modules kept in fp32.
+    config: Config = dataclasses.field(default_factory=Config)
+    # What the graph becomes: "module", an AmpModule run as it is (weight cache, frozen weights,
+    # kernel paths eager takes); "aot", a graph handed to AOTAutograd by the torch.compile backend.
+    target: str = "module"
+
+    @classmethod
+    def resolve(
+        cls,
+        model: nn.Module,
+        inputs: Any,
+        *,
+        dtype: torch.dtype | str | None = None,
+        device_type: str | torch.device | None = None,
+        mode: str = "exact",
+        inference: bool = False,
+        config: Config | None = None,
+        check_devices: bool = True,
+    ) -> AmpSpec:
+        """Validate the arguments every frontend shares, with the errors they document."""
+        if not isinstance(inference, bool):
+            raise TypeError(f"inference must be True or False, got {type(inference).__name__}")
+        mode = check_mode(mode)
+        config = check_config(config)
+        device = resolve_device_type(device_type, model, inputs)
+        if check_devices:
+            check_device(device, model, inputs)
+        return cls(device, resolve_dtype(dtype, device), mode, inference, config)
+
+    @property
+    def policy(self) -> Policy:
+        """The built-in autocast policy for the device and dtype, with the config's overrides."""
+        return get_policy(self.device_type, self.dtype).with_overrides(self.config.op_overrides)
+
+    @property
+    def check(self) -> bool:
+        """Whether every node's dtype is checked against eager's: exact mode, built-in policy."""
+        return self.mode == "exact" and self.config.is_default
+
+
+@contextlib.contextmanager
+def autocast_off(device_types: tuple[str, ...] = DEVICE_TYPES) -> Iterator[None]:
+    """Switch off any ambient autocast on ``device_types`` for the duration, then restore it.
+
+    Converted graphs carry their casts; an enclosing ``torch.autocast`` must not apply a policy
+    twice, and conversion itself re-derives dtypes on fake tensors that autocast must not touch.
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16), autocast_off():
+    ...     assert not torch.is_autocast_enabled("cpu")
+    """
+    from graphamp.capture import ambient_autocast
+
+    with contextlib.ExitStack() as stack:
+        for device_type in device_types:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(ambient_autocast(device_type, torch.get_autocast_dtype(device_type), enabled=False))
+        yield
