@@ -34,6 +34,7 @@ from torch import nn
 
 import graphamp
 from graphamp.passes import dedupe_casts, fold_casts
+from graphamp.spec import AmpSpec
 from graphamp.policy import get_policy
 
 R, D = 4, 8  # every floating value is (R, D); the integer index is (R,)
@@ -293,8 +294,10 @@ def check_cpu(dag: Dag, dtype: torch.dtype) -> None:
 
 
 def check_pruning_is_idempotent(amp: graphamp.AmpModule) -> None:
+    info = amp.graphamp_info
+    spec = AmpSpec(info.device_type, info.dtype, info.mode, info.inference, info.config)
     for prune in (dedupe_casts, fold_casts):
-        assert not prune(amp).modified, f"{prune.__name__} found more to prune in a converted module"
+        assert not prune(amp, spec).modified, f"{prune.__name__} found more to prune in a converted module"
 
 
 def check_cuda(dag: Dag) -> None:
