@@ -13,7 +13,7 @@ import torch
 
 import graphamp
 from graphamp import zoo
-from graphamp.reference import count_casts, eager_autocast_graph, lowered_graph
+from graphamp.verify.reference import count_casts, eager_autocast_graph, lowered_graph
 
 MODELS = [("bert", False), ("gpt2", False), ("vit", False), ("resnet", False),
           ("transformer_encoder", True), ("lstm", False), ("mha", True)]

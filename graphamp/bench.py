@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphamp
 from graphamp import zoo
-from graphamp.reference import count_casts, lowered_graph
+from graphamp.verify.reference import count_casts, lowered_graph
 from graphamp.spec import DTYPE_ALIASES
 
 __all__ = ["BENCH_MODELS", "VARIANTS", "Row", "run", "DEFAULT_MODELS"]

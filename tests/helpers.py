@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 
 import graphamp
 from graphamp.spec import AmpSpec
-from graphamp.reference import count_casts, eager_autocast_graph, lowered_graph
+from graphamp.verify.reference import count_casts, eager_autocast_graph, lowered_graph
 
 
 def float_leaves(out: Any) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphamp
-from graphamp._fake_cuda import fake_cuda_model
+from graphamp.verify.fake_cuda import fake_cuda_model
 from conftest import build_case
 from helpers import assert_exact, assert_same_outputs
 

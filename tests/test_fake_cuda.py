@@ -1,4 +1,4 @@
-"""graphamp._fake_cuda patches FakeTensor only while one of its contexts is open.
+"""graphamp.verify.fake_cuda patches FakeTensor only while one of its contexts is open.
 
 Every check compares the ``__dict__`` of each class in FakeTensor's MRO (FakeTensor, Tensor,
 TensorBase, ...) before and after, by identity, so a new patch, on any of these classes, is
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import graphamp
-from graphamp import _fake_cuda
-from graphamp._fake_cuda import fake_cuda_bindings, fake_cuda_session
+from graphamp.verify import fake_cuda as _fake_cuda
+from graphamp.verify.fake_cuda import fake_cuda_bindings, fake_cuda_session
 from torch._subclasses.fake_tensor import FakeTensor
 
 _ABSENT = object()

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import graphamp
 from graphamp.passes import insert_casts
 from graphamp.policy import get_policy
-from graphamp._fake_cuda import fake_cuda_model
+from graphamp.verify.fake_cuda import fake_cuda_model
 from helpers import spec_of, captured, casts, targets
 
 aten = torch.ops.aten

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 import graphamp
-from graphamp._fake_cuda import fake_cuda_bindings
+from graphamp.verify.fake_cuda import fake_cuda_bindings
 from graphamp.capture import ambient_autocast
 
 # Importing torch.testing._internal.common_utils (which the lists import) freezes torch.backends

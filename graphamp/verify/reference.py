@@ -1,0 +1,183 @@
+"""Eager-autocast reference graphs, recorded with ``make_fx``, to compare graphamp against.
+
+Tracing below autocast (post-dispatch ``make_fx``) records every cast eager autocast makes as an
+``aten._to_copy``; lowering a converted module the same way (autocast off) gives a comparable graph.
+These graphs are for checking only: graphamp itself inserts casts from its own tables.
+
+Also the two runs verify compares: eager autocast and the converted module, on real CPU tensors
+or on fake CUDA tensors (see fake_cuda.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.fx._pytree as fx_pytree
+import torch.fx.traceback as fx_traceback
+from torch import nn
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from graphamp.capture import ambient_autocast
+from graphamp.config import Config
+from graphamp.convert import _convert as convert_core
+from graphamp.emit import AmpModule
+from graphamp.errors import PolicyDriftError
+from graphamp.runtime import WeightCache
+from graphamp.spec import AmpSpec
+from graphamp.verify.report import _detached
+from graphamp.verify.signatures import aten
+
+__all__ = ["eager_autocast_graph", "lowered_graph", "count_casts", "trace"]
+
+
+def count_casts(gm: torch.fx.GraphModule) -> int:
+    """Number of ``aten._to_copy`` nodes, the op every autocast cast lowers to."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default)
+
+
+def trace(fn: Any, args: tuple, kwargs: dict, *, no_grad: bool = True) -> torch.fx.GraphModule:
+    """The post-dispatch graph of ``fn(*args, **kwargs)``, its tensor inputs as placeholders."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+
+    def flat_fn(*vals: torch.Tensor) -> list:
+        filled = list(flat)
+        for i, v in zip(tensors, vals):
+            filled[i] = v
+        a, k = pytree.tree_unflatten(filled, spec)
+        return pytree.tree_leaves(fn(*a, **k))
+
+    with torch.set_grad_enabled(not no_grad):
+        # Real tensors: data-dependent Python branches (mask checks in HF models) read real values.
+        return make_fx(flat_fn, _error_on_data_dependent_ops=False)(*[flat[i] for i in tensors])
+
+
+def eager_autocast_graph(model: nn.Module, args: tuple, kwargs: dict | None, *, device_type: str, dtype: torch.dtype) -> torch.fx.GraphModule:
+    """The post-dispatch graph of ``model`` run under eager autocast: its casts are autocast's."""
+
+    def run(*a: Any, **k: Any) -> Any:
+        with ambient_autocast(device_type, dtype):
+            return model(*a, **k)
+
+    return trace(run, args, kwargs or {})
+
+
+def lowered_graph(module: nn.Module, args: tuple, kwargs: dict | None) -> torch.fx.GraphModule:
+    """The post-dispatch graph of a converted module, with autocast off."""
+    return trace(module, args, kwargs or {})
+
+
+def _trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> GraphModule:
+    # Grad mode stays as the caller set it (on): the reference must not take no_grad fast paths.
+    return trace(fn, args, kwargs, no_grad=not torch.is_grad_enabled())
+
+
+def _eager_graph(model: nn.Module, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype) -> GraphModule:
+    from torch._export.utils import _compiling_state_context
+
+    def run(*a: Any, **k: Any) -> Any:
+        with ambient_autocast(device_type, dtype):
+            return model(*a, **k)
+
+    # torch.compiler.is_exporting() as during capture: model code that branches on it (Hugging
+    # Face mask construction) takes the captured path, so only autocast's decisions can differ.
+    # The value comparison runs plain eager.
+    with _compiling_state_context():
+        return _trace(run, args, kwargs)
+
+
+def _lowered_graph(amp: AmpModule, args: tuple, kwargs: dict) -> GraphModule:
+    in_spec = amp.graph._codegen.pytree_info.in_spec
+    # A warm weight cache hands out earlier casts as constants; a cold call shows every cast.
+    for module in amp.modules():
+        if isinstance(module, WeightCache):
+            module.clear()
+
+    def run(*a: Any, **k: Any) -> Any:
+        flat = fx_pytree.tree_flatten_spec((a, k), in_spec)
+        # The Interpreter runs node by node, so each lowered op records its converted node in from_node.
+        return torch.fx.Interpreter(amp).run(*flat, enable_io_processing=False)
+
+    with fx_traceback.preserve_node_meta():
+        return _trace(run, args, kwargs)
+
+
+def _count_casts(gm: GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is aten._to_copy.default)
+
+
+def _convert(
+    model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, device_type: str, mode: str, config: Config | None
+) -> tuple[AmpModule, list[str]]:
+    spec = AmpSpec(device_type, dtype, mode, config=config or Config())
+    try:
+        return convert_core(model, args, kwargs, spec), []
+    except PolicyDriftError as e:
+        # Convert's own check stops at the first drifted node; rebuild without it so the report
+        # can say where and how the result differs from eager.
+        note = f"graphamp.convert raised PolicyDriftError: {str(e).splitlines()[0][:300]}"
+        return convert_core(model, args, kwargs, spec, check=False), [note]
+
+
+def _uses_real_cuda(model: nn.Module, inputs: Any) -> bool:
+    tensors = [*model.parameters(), *model.buffers(), *(t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor))]
+    return any(t.device.type == "cuda" for t in tensors)
+
+
+class _Sides(NamedTuple):
+    amp: AmpModule
+    out: Any
+    ref: Any
+    graphamp_graph: GraphModule
+    eager_graph: GraphModule
+    notes: list[str]
+
+
+def _run_real(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, device_type: str, mode: str, config: Config | None) -> _Sides:
+    amp, notes = _convert(model, args, kwargs, dtype, device_type, mode, config)
+    devices = [torch.device(device_type, i) for i in range(torch.cuda.device_count())] if device_type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        # Same random stream on both sides, so dropout draws the same masks.
+        state = _rng_state(device_type)
+        with torch.autocast(device_type, dtype=dtype):
+            ref = _detached(model(*args, **kwargs))
+        _set_rng_state(device_type, state)
+        out = _detached(amp(*args, **kwargs))
+        _set_rng_state(device_type, state)
+        eager_graph = _eager_graph(model, args, kwargs, device_type, dtype)
+        _set_rng_state(device_type, state)
+        graphamp_graph = _lowered_graph(amp, args, kwargs)
+    return _Sides(amp, out, ref, graphamp_graph, eager_graph, notes)
+
+
+def _rng_state(device_type: str) -> tuple:
+    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if device_type == "cuda" else None)
+
+
+def _set_rng_state(device_type: str, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if device_type == "cuda":
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _run_fake_cuda(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, mode: str, config: Config | None) -> _Sides:
+    from graphamp.verify.fake_cuda import fake_cuda_inputs, fake_cuda_model, fake_cuda_session
+
+    with fake_cuda_session(), warnings.catch_warnings():
+        # Storage-keyed caches probe data_ptr(), which fake tensors only warn about.
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        fake_model = fake_cuda_model(model)
+        fake_args, fake_kwargs = fake_cuda_inputs(args, kwargs)
+        amp, notes = _convert(fake_model, fake_args, fake_kwargs, dtype, "cuda", mode, config)
+        with ambient_autocast("cuda", dtype):
+            ref = fake_model(*fake_args, **fake_kwargs)
+        out = amp(*fake_args, **fake_kwargs)
+        eager_graph = _eager_graph(fake_model, fake_args, fake_kwargs, "cuda", dtype)
+        graphamp_graph = _lowered_graph(amp, fake_args, fake_kwargs)
+    notes.append("values not compared: fake CUDA tensors carry no data; ops, dtypes and shapes were compared")
+    return _Sides(amp, out, ref, graphamp_graph, eager_graph, notes)
