@@ -1,21 +1,5 @@
-"""``torch.compile(model, backend="graphamp")``: graphamp's rewrite inside the PyTorch 2 compiler stack.
-
-For each graph dynamo captures (one per graph break), the backend:
-
-1. fakifies the inputs with dynamo's own fake mode;
-2. re-traces dynamo's torch-level graph to pre-dispatch ATen with ``make_fx``, under the autocast
-   graphamp applies, so every node's fake value carries eager autocast's dtype. On the way it
-   replaces fused inference kernels by their composites (:mod:`graphamp.fast_paths`) and keeps each
-   custom ``autograd.Function`` (dynamo's ``autograd_function_apply``: a forward and a backward
-   graph) whole, as one call of :func:`graphamp.runtime.apply_graph_function`, so that AOTAutograd
-   records its forward under eager's autocast state and its own backward;
-3. runs graphamp's passes (:mod:`graphamp.passes`), as :func:`graphamp.convert` does;
-4. hands the rewritten graph to AOTAutograd and the inner compiler (inductor, or eager graphs)
-   with autocast off, and runs the compiled code with autocast off: graphamp's casts are the only
-   ones applied, whether or not the call sits inside a ``torch.autocast`` region.
-
-The backend is registered under the ``torch_dynamo_backends`` entry point, so ``backend="graphamp"``
-works after ``pip install`` without importing graphamp.
+"""Re-trace dynamo's torch-level graph to pre-dispatch ATen under autocast, keeping custom
+Functions whole and replacing fused inference kernels by their composites (fast_paths.py).
 """
 
 from __future__ import annotations
@@ -24,172 +8,31 @@ import contextlib
 import dataclasses
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._ops import _get_dispatch_mode_pre_dispatch
-from torch.fx import GraphModule, Interpreter, Node
+from torch.fx import GraphModule, Interpreter
 from torch.fx.experimental.proxy_tensor import make_fx, track_tensor_tree
 
 from graphamp.capture import _below_tracer, ambient_autocast
-from graphamp.config import Config
-from graphamp.errors import OptionError, PolicyDriftError
-from graphamp.fast_paths import composite_for
-from graphamp.passes import build_pipeline, check_dtypes, run_passes
-from graphamp.policy import DEVICE_TYPES, Policy
-from graphamp.spec import MODES, AmpSpec, autocast_off, check_device, infer_device_type, resolve_dtype
+from graphamp.backend.fast_paths import composite_for
+from graphamp.policy import Policy
 from graphamp.runtime import KeptGraphFunction, apply_graph_function, current_autocast_state
 
-__all__ = ["BackendOptions", "INNER_COMPILERS", "graphamp_backend", "rewrite"]
-
-INNER_COMPILERS = ("inductor", "eager")
 
 _AUTOGRAD_FUNCTION_APPLY = torch.ops.higher_order.autograd_function_apply
+
+
 _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+
+
 _ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+
+
 _EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
-
-
-@dataclasses.dataclass(frozen=True)
-class BackendOptions:
-    """What ``torch.compile(..., backend="graphamp", options={...})`` accepts.
-
-    >>> opts = BackendOptions.parse({"dtype": torch.float16, "inner": "eager"})
-    >>> assert opts.dtype is torch.float16 and opts.inner == "eager" and opts.mode == "exact"
-    """
-
-    # torch.bfloat16 or torch.float16 (or "bf16"/"fp16"); None: the autocast dtype of the device
-    # at compile time (bf16 on CPU, or the dtype of an enclosing torch.autocast region).
-    dtype: torch.dtype | str | None = None
-    # "cpu" or "cuda"; None: the device of the graph's floating-point inputs.
-    device_type: str | None = None
-    # graphamp's mode: "exact" reproduces eager autocast's dtypes bit for bit.
-    mode: str = "exact"
-    # A graphamp.Config: op overrides and modules kept in fp32.
-    config: Config | None = None
-    # The compiler graphamp hands the rewritten graph to: "inductor", or "eager" (AOTAutograd
-    # running the forward and backward graphs as they are).
-    inner: str = "inductor"
-
-    @classmethod
-    def parse(cls, options: Mapping[str, Any] | None) -> BackendOptions:
-        """Validate ``options`` (a mapping from option name to value; None means all defaults)."""
-        if options is None:
-            return cls()
-        if not isinstance(options, Mapping):
-            raise OptionError(
-                f"options must be a dict such as {{'dtype': torch.bfloat16}}, got {type(options).__name__}"
-            )
-        accepted = [f.name for f in dataclasses.fields(cls)]
-        for name in options:
-            if name not in accepted:
-                raise OptionError(
-                    f"torch.compile(backend='graphamp') got the unknown option {name!r}; graphamp "
-                    f"accepts {', '.join(accepted)}. torch.compile's own mode= goes to inductor; "
-                    "inductor settings belong in torch._inductor.config."
-                )
-        opts = cls(**options)
-        if not isinstance(opts.mode, str) or opts.mode not in MODES:
-            raise OptionError(f"option mode={opts.mode!r} is not a graphamp mode; use one of {MODES}")
-        if not isinstance(opts.inner, str) or opts.inner not in INNER_COMPILERS:
-            raise OptionError(f"option inner={opts.inner!r} is not an inner compiler; use one of {INNER_COMPILERS}")
-        if opts.config is not None and not isinstance(opts.config, Config):
-            raise OptionError(f"option config must be a graphamp.Config, got {type(opts.config).__name__}")
-        if opts.device_type is not None and opts.device_type not in DEVICE_TYPES:
-            raise OptionError(f"option device_type={opts.device_type!r} is not supported; use one of {DEVICE_TYPES}")
-        if opts.dtype is not None:
-            try:
-                resolve_dtype(opts.dtype, opts.device_type or "cpu")
-            except (TypeError, ValueError) as e:
-                raise OptionError(f"option dtype: {e}") from e
-        return opts
-
-
-def graphamp_backend(
-    gm: GraphModule,
-    example_inputs: Sequence[Any],
-    *,
-    options: Mapping[str, Any] | None = None,
-    mode: str | None = None,
-) -> Callable[..., Any]:
-    """The dynamo backend: rewrite ``gm`` into explicit mixed precision, then compile it.
-
-    ``options`` are graphamp's (see :class:`BackendOptions`); ``mode`` is torch.compile's own
-    ("max-autotune", ...) and is passed on to inductor.
-
-    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
-    >>> x = torch.randn(4, 8)
-    >>> compiled = torch.compile(model, backend="graphamp", options={"inner": "eager"})
-    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
-    ...     expected = model(x)
-    >>> assert torch.equal(compiled(x), expected)
-    """
-    opts = BackendOptions.parse(options)
-    if mode is not None and opts.inner != "inductor":
-        raise OptionError(
-            f"torch.compile(mode={mode!r}) configures inductor, but graphamp's inner compiler is "
-            f"{opts.inner!r}; drop mode= or use options={{'inner': 'inductor'}}"
-        )
-    device_type = opts.device_type or _device_type_of(gm, example_inputs)
-    check_device(device_type, gm, list(example_inputs))
-    # Dynamo restores the caller's global state while a backend runs and guards on it, so the
-    # grad mode now is the one every call of this graph will see.
-    inference = not torch.is_grad_enabled() and not _enables_grad(gm)
-    spec = AmpSpec(device_type, resolve_dtype(opts.dtype, device_type), opts.mode, inference, opts.config or Config(), target="aot")
-    ambient = torch.is_autocast_enabled(device_type)
-    with autocast_off():
-        amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient)
-        compiled = _hand_off(amp_gm, example_inputs, opts.inner, mode)
-    return _run_without_autocast(compiled)
-
-
-def rewrite(gm: GraphModule, example_inputs: Sequence[Any], spec: AmpSpec, *, ambient: bool = False) -> GraphModule:
-    """Re-trace dynamo's graph to pre-dispatch ATen and insert the policy's casts.
-
-    ``spec.inference`` declares the graph runs under ``no_grad`` only, so casts are shared freely;
-    ``ambient`` says dynamo traced inside an autocast region (it only changes warnings and errors).
-
-    >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
-    >>> amp_gm = rewrite(gm, [torch.randn(2, 4)], AmpSpec("cpu", torch.bfloat16, target="aot"))
-    >>> assert [n.kwargs["dtype"] for n in amp_gm.graph.nodes if n.target is torch.ops.aten._to_copy.default] == [torch.bfloat16] * 3
-    """
-    policy = spec.policy
-    amp_gm = _retrace(gm, example_inputs, policy, ambient=ambient)
-    run_passes(amp_gm, spec, build_pipeline(spec, check=False))
-    if spec.check:
-        try:
-            check_dtypes(amp_gm, spec)
-        except PolicyDriftError as e:
-            if ambient:
-                raise
-            raise PolicyDriftError(
-                f"{e}\nUnder torch.compile the likelier cause: dynamo traced forward's Python without "
-                "autocast, so code that reads a tensor's dtype or the autocast state (nn.LSTM's initial "
-                "state, torch.amp.custom_fwd, ...) decided as in fp32. Way out: call the compiled model "
-                f"inside torch.autocast({policy.device_type!r}, dtype={policy.dtype}); graphamp's casts "
-                "stay the only ones applied."
-            ) from e
-    return amp_gm
-
-
-def _device_type_of(gm: GraphModule, example_inputs: Sequence[Any]) -> str:
-    device_type = infer_device_type(gm, list(example_inputs))
-    if device_type not in DEVICE_TYPES:
-        raise OptionError(
-            f"the graph's tensors are on {device_type!r}, which has no graphamp policy; pass "
-            f"options={{'device_type': ...}} with one of {DEVICE_TYPES}"
-        )
-    return device_type
-
-
-def _enables_grad(gm: GraphModule) -> bool:
-    """Whether the graph switches grad mode on somewhere (``torch.enable_grad()`` in forward)."""
-    return any(
-        n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args[0]
-        for n in gm.graph.nodes
-    )
 
 
 def _fake_inputs(gm: GraphModule, example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
@@ -404,40 +247,3 @@ def _copy_dynamo_metadata(gm: GraphModule, amp_gm: GraphModule) -> None:
         stack = node.meta.get("nn_module_stack")
         if stack:
             node.meta["nn_module_stack"] = {k: (_module_path(path), type_) for k, (path, type_) in stack.items()}
-
-
-def _hand_off(amp_gm: GraphModule, example_inputs: Sequence[Any], inner: str, mode: str | None) -> Callable[..., Any]:
-    """Compile the rewritten graph with AOTAutograd and the inner compiler."""
-    if inner == "eager":
-        from torch._dynamo.backends.common import aot_autograd
-
-        return aot_autograd(fw_compiler=_eager_graph, bw_compiler=_eager_graph)(amp_gm, list(example_inputs))
-    from torch._inductor import list_mode_options
-    from torch._inductor.compile_fx import compile_fx
-
-    return compile_fx(amp_gm, list(example_inputs), config_patches=list_mode_options(mode) if mode else None)
-
-
-def _eager_graph(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """AOTAutograd's inner compiler for inner="eager": run the graph as is, with autocast off."""
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    return make_boxed_func(_run_without_autocast(gm.forward))
-
-
-def _run_without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
-    # An ambient torch.autocast would re-apply its own policy to the graph's ops on top of
-    # graphamp's casts. For a backward() called inside a region: inner="eager" wraps the backward
-    # graph too (_eager_graph); inductor's code calls matmuls as out= variants, which autocast
-    # never touches, and its fallback kernels (sdpa, convolution backward) are on no list.
-    def run(*args: Any) -> Any:
-        if torch._C._is_any_autocast_enabled():
-            with autocast_off():
-                return fn(*args)
-        return fn(*args)
-
-    run.__wrapped__ = fn  # type: ignore[attr-defined]
-    for attr in ("_boxed_call",):
-        if hasattr(fn, attr):
-            setattr(run, attr, getattr(fn, attr))
-    return run

@@ -1,0 +1,161 @@
+"""``torch.compile(model, backend="graphamp")``: graphamp's rewrite inside the PyTorch 2 compiler stack.
+
+For each graph dynamo captures (one per graph break), the backend:
+
+1. fakifies the inputs with dynamo's own fake mode;
+2. re-traces dynamo's torch-level graph to pre-dispatch ATen with ``make_fx``, under the autocast
+   graphamp applies, so every node's fake value carries eager autocast's dtype. On the way it
+   replaces fused inference kernels by their composites (:mod:`graphamp.backend.fast_paths`) and keeps each
+   custom ``autograd.Function`` (dynamo's ``autograd_function_apply``: a forward and a backward
+   graph) whole, as one call of :func:`graphamp.runtime.apply_graph_function`, so that AOTAutograd
+   records its forward under eager's autocast state and its own backward;
+3. runs graphamp's passes (:mod:`graphamp.passes`), as :func:`graphamp.convert` does;
+4. hands the rewritten graph to AOTAutograd and the inner compiler (inductor, or eager graphs)
+   with autocast off, and runs the compiled code with autocast off: graphamp's casts are the only
+   ones applied, whether or not the call sits inside a ``torch.autocast`` region.
+
+The backend is registered under the ``torch_dynamo_backends`` entry point, so ``backend="graphamp"``
+works after ``pip install`` without importing graphamp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from graphamp.config import Config
+from graphamp.errors import OptionError, PolicyDriftError
+from graphamp.passes import build_pipeline, check_dtypes, run_passes
+from graphamp.policy import DEVICE_TYPES
+from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type, resolve_dtype
+from graphamp.backend.options import BackendOptions
+from graphamp.backend.retrace import _retrace
+from graphamp.backend.options import INNER_COMPILERS
+
+
+__all__ = ["BackendOptions", "INNER_COMPILERS", "graphamp_backend", "rewrite"]
+
+
+def graphamp_backend(
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """The dynamo backend: rewrite ``gm`` into explicit mixed precision, then compile it.
+
+    ``options`` are graphamp's (see :class:`BackendOptions`); ``mode`` is torch.compile's own
+    ("max-autotune", ...) and is passed on to inductor.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+    >>> x = torch.randn(4, 8)
+    >>> compiled = torch.compile(model, backend="graphamp", options={"inner": "eager"})
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     expected = model(x)
+    >>> assert torch.equal(compiled(x), expected)
+    """
+    opts = BackendOptions.parse(options)
+    if mode is not None and opts.inner != "inductor":
+        raise OptionError(
+            f"torch.compile(mode={mode!r}) configures inductor, but graphamp's inner compiler is "
+            f"{opts.inner!r}; drop mode= or use options={{'inner': 'inductor'}}"
+        )
+    device_type = opts.device_type or _device_type_of(gm, example_inputs)
+    check_device(device_type, gm, list(example_inputs))
+    # Dynamo restores the caller's global state while a backend runs and guards on it, so the
+    # grad mode now is the one every call of this graph will see.
+    inference = not torch.is_grad_enabled() and not _enables_grad(gm)
+    spec = AmpSpec(device_type, resolve_dtype(opts.dtype, device_type), opts.mode, inference, opts.config or Config(), target="aot")
+    ambient = torch.is_autocast_enabled(device_type)
+    with autocast_off():
+        amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient)
+        compiled = _hand_off(amp_gm, example_inputs, opts.inner, mode)
+    return _run_without_autocast(compiled)
+
+
+def rewrite(gm: GraphModule, example_inputs: Sequence[Any], spec: AmpSpec, *, ambient: bool = False) -> GraphModule:
+    """Re-trace dynamo's graph to pre-dispatch ATen and insert the policy's casts.
+
+    ``spec.inference`` declares the graph runs under ``no_grad`` only, so casts are shared freely;
+    ``ambient`` says dynamo traced inside an autocast region (it only changes warnings and errors).
+
+    >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    >>> amp_gm = rewrite(gm, [torch.randn(2, 4)], AmpSpec("cpu", torch.bfloat16, target="aot"))
+    >>> assert [n.kwargs["dtype"] for n in amp_gm.graph.nodes if n.target is torch.ops.aten._to_copy.default] == [torch.bfloat16] * 3
+    """
+    policy = spec.policy
+    amp_gm = _retrace(gm, example_inputs, policy, ambient=ambient)
+    run_passes(amp_gm, spec, build_pipeline(spec, check=False))
+    if spec.check:
+        try:
+            check_dtypes(amp_gm, spec)
+        except PolicyDriftError as e:
+            if ambient:
+                raise
+            raise PolicyDriftError(
+                f"{e}\nUnder torch.compile the likelier cause: dynamo traced forward's Python without "
+                "autocast, so code that reads a tensor's dtype or the autocast state (nn.LSTM's initial "
+                "state, torch.amp.custom_fwd, ...) decided as in fp32. Way out: call the compiled model "
+                f"inside torch.autocast({policy.device_type!r}, dtype={policy.dtype}); graphamp's casts "
+                "stay the only ones applied."
+            ) from e
+    return amp_gm
+
+
+def _device_type_of(gm: GraphModule, example_inputs: Sequence[Any]) -> str:
+    device_type = infer_device_type(gm, list(example_inputs))
+    if device_type not in DEVICE_TYPES:
+        raise OptionError(
+            f"the graph's tensors are on {device_type!r}, which has no graphamp policy; pass "
+            f"options={{'device_type': ...}} with one of {DEVICE_TYPES}"
+        )
+    return device_type
+
+
+def _enables_grad(gm: GraphModule) -> bool:
+    """Whether the graph switches grad mode on somewhere (``torch.enable_grad()`` in forward)."""
+    return any(
+        n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args[0]
+        for n in gm.graph.nodes
+    )
+
+
+def _hand_off(amp_gm: GraphModule, example_inputs: Sequence[Any], inner: str, mode: str | None) -> Callable[..., Any]:
+    """Compile the rewritten graph with AOTAutograd and the inner compiler."""
+    if inner == "eager":
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=_eager_graph, bw_compiler=_eager_graph)(amp_gm, list(example_inputs))
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(amp_gm, list(example_inputs), config_patches=list_mode_options(mode) if mode else None)
+
+
+def _eager_graph(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """AOTAutograd's inner compiler for inner="eager": run the graph as is, with autocast off."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(_run_without_autocast(gm.forward))
+
+
+def _run_without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # An ambient torch.autocast would re-apply its own policy to the graph's ops on top of
+    # graphamp's casts. For a backward() called inside a region: inner="eager" wraps the backward
+    # graph too (_eager_graph); inductor's code calls matmuls as out= variants, which autocast
+    # never touches, and its fallback kernels (sdpa, convolution backward) are on no list.
+    def run(*args: Any) -> Any:
+        if torch._C._is_any_autocast_enabled():
+            with autocast_off():
+                return fn(*args)
+        return fn(*args)
+
+    run.__wrapped__ = fn  # type: ignore[attr-defined]
+    for attr in ("_boxed_call",):
+        if hasattr(fn, attr):
+            setattr(run, attr, getattr(fn, attr))
+    return run
