@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import graphamp
-from graphamp import zoo
+from graphamp.testing import zoo
 from graphamp.verify.reference import count_casts, eager_autocast_graph, lowered_graph
 
 MODELS = [("bert", False), ("gpt2", False), ("vit", False), ("resnet", False),

@@ -31,7 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils import benchmark
 
-from graphamp import zoo
+from graphamp.testing import zoo
 from graphamp.backend import graphamp_backend
 
 DTYPE = torch.bfloat16

@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
-from graphamp import zoo
+from graphamp.testing import zoo
 
 MODELS = {"bert": False, "gpt2": False, "vit": False, "resnet": False, "transformer_encoder": True, "mha": True}
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 import graphamp
-from graphamp import zoo
+from graphamp.testing import zoo
 
 
 def main() -> None:

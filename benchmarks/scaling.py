@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/scaling.py [--sizes 1000 5000 20000]
 
-The model is generated: ``graphamp.zoo.ManySmallOps`` with N blocks (a LayerNorm, a Linear and
+The model is generated: ``graphamp.testing.zoo.ManySmallOps`` with N blocks (a LayerNorm, a Linear and
 elementwise ops, with a residual), so node count grows linearly with the number of blocks. The steps of ``convert`` are timed
 one by one: capture (torch.export, not graphamp's code), graphamp's passes, and emit; memory is
 tracemalloc's peak per phase (the Python objects of the graphs; tensor storage is not traced).
@@ -22,7 +22,7 @@ from graphamp.config import Config
 from graphamp.emit import emit
 from graphamp.passes import run_pipeline
 from graphamp.policy import get_policy
-from graphamp.zoo import ManySmallOps
+from graphamp.testing.zoo import ManySmallOps
 
 NODES_PER_BLOCK = 10  # measured below; used only to pick a block count for a target size
 

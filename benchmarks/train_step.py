@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import torch.utils.benchmark as benchmark
 
 import graphamp
-from graphamp import zoo
+from graphamp.testing import zoo
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib.util
 import weakref
 import statistics
 import sys
@@ -35,7 +34,7 @@ from torch.utils import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphamp
-from graphamp import zoo
+from graphamp.testing import zoo
 from graphamp.verify.reference import count_casts, lowered_graph
 from graphamp.spec import DTYPE_ALIASES
 
@@ -82,7 +81,7 @@ class Row:
     task: str
     dtype: str
     variant: str
-    status: str = "ok"  # ok | pending (feature not landed) | error: ...
+    status: str = "ok"  # ok | error: ...
     median_ms: float | None = None
     p10_ms: float | None = None
     p90_ms: float | None = None
@@ -171,14 +170,10 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Varia
                 return compiled(*args, **kwargs)
         return _Variant(as_step(call, model.parameters()), call, None)
     if name == "graphamp_backend":
-        if importlib.util.find_spec("graphamp.backend") is None:
-            raise _Pending("the torch.compile backend has not landed")
         compiled = torch.compile(model, backend="graphamp", options={"dtype": dtype})
         call = lambda: compiled(*args, **kwargs)  # noqa: E731
         return _Variant(as_step(call, model.parameters()), call, None)
     if name == "trainstep":
-        if not hasattr(graphamp, "TrainStep"):
-            raise _Pending("graphamp.TrainStep has not landed")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         step = graphamp.TrainStep(model, lambda out, target: _loss(out), opt, dtype=dtype)
 
@@ -188,10 +183,6 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Varia
         # TrainStep's graph ends in the loss, so it has no model outputs to compare (max err n/a).
         return _Variant(train, None, None)
     raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
-
-
-class _Pending(Exception):
-    pass
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -288,8 +279,6 @@ def run(
                         first_out[v] = prepared[v].forward()
                 for _ in range(2):
                     prepared[v].step()
-            except _Pending as e:
-                model_rows[v].status = f"pending: {e}"
             except Exception as e:  # a variant that cannot run is reported, not fatal
                 model_rows[v].status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
             model_rows[v].setup_s = time.perf_counter() - start

@@ -3,7 +3,7 @@ import logging
 import pytest
 import torch
 
-from graphamp import zoo
+from graphamp.testing import zoo
 
 
 @pytest.fixture(autouse=True, scope="session")

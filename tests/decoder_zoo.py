@@ -1,6 +1,6 @@
 """Tiny Hugging Face decoders (and one encoder-decoder) for the gradient tests, random weights.
 
-Every factory returns a :class:`graphamp.zoo.Case` in train mode with every dropout probability
+Every factory returns a :class:`graphamp.testing.zoo.Case` in train mode with every dropout probability
 at 0, so eager runs are deterministic and comparable bit for bit. Families that support
 grouped-query attention get fewer key/value heads than query heads. Inputs are token ids only
 (no ``attention_mask``): the usual causal-LM training call.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from graphamp.zoo import Case
+from graphamp.testing.zoo import Case
 
 VOCAB = 512
 HIDDEN = 64

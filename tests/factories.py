@@ -1,7 +1,7 @@
 """Small models built by ``module:factory`` strings, for ``graphamp verify --model factories:NAME``.
 
 Random weights, nothing downloaded. Each factory returns ``(model, args, kwargs)``, the form
-:func:`graphamp.zoo.build` takes from a factory.
+:func:`graphamp.testing.zoo.build` takes from a factory.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphamp
-from graphamp import zoo
+from graphamp.testing import zoo
 from conftest import build_case
 
 STEPS = 30

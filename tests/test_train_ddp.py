@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphamp
-from graphamp import zoo
+from graphamp.testing import zoo
 
 WORLD = 2
 STEPS = 10

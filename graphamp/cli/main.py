@@ -1,4 +1,4 @@
-"""The ``graphamp`` command line: convert-demo (and, as they land, verify and bench)."""
+"""The ``graphamp`` command line: bench, verify and convert-demo."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _default_model() -> str:
 def convert_demo(args: argparse.Namespace) -> int:
     """Convert a built-in model, print its cast summary, and check it against eager autocast."""
     import graphamp
-    from graphamp import zoo
+    from graphamp.testing import zoo
     from graphamp.passes._infra import short_dtype
 
     dtype = DTYPE_ALIASES[args.dtype]

@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "gradient too. Exit status 0 when all are bitwise equal, 1 otherwise. "
         "--device-type cuda without a GPU runs both sides on fake CUDA tensors (values not compared).",
     )
-    p.add_argument("--model", required=True, help="built-in model name (graphamp.zoo) or module:factory")
+    p.add_argument("--model", required=True, help="built-in model name (graphamp.testing.zoo) or module:factory")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default=None, help="default: autocast's default for the device (cpu bf16, cuda fp16)")
     p.add_argument("--device-type", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--train", action="store_true", help="verify in training mode (default: eval)")
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import graphamp
-    from graphamp import zoo
+    from graphamp.testing import zoo
 
     case = zoo.build(args.model)
     model = case.model.train(args.train)
