@@ -39,33 +39,11 @@ from torch.fx.experimental.proxy_tensor import PreDispatchTorchFunctionMode, tra
 from torch.utils import _pytree as pytree
 
 from graphamp.errors import BannedOpError, CaptureError, EagerPathWarning, GraphampError, PromoteTypeError, UnsupportedFunctionError
+from graphamp.passes.node_info import NodeInfo
+from graphamp.spec import ambient_autocast
 from graphamp.runtime import KeptFunction, PartialTemplate, Slot, apply_function, current_autocast_state, qualified_name
 
 __all__ = ["capture", "ambient_autocast"]
-
-
-@contextlib.contextmanager
-def ambient_autocast(device_type: str, dtype: torch.dtype, enabled: bool = True) -> Iterator[None]:
-    """Set the autocast state of ``device_type`` the way ``torch.autocast`` does, and restore it.
-
-    ``torch.autocast("cuda")`` disables itself on a CPU-only build; the low-level switches still
-    work over fake CUDA tensors, which is how the CUDA policy is exercised without a GPU.
-    """
-    prev_enabled = torch.is_autocast_enabled(device_type)
-    prev_dtype = torch.get_autocast_dtype(device_type)
-    prev_cache = torch.is_autocast_cache_enabled()
-    torch.set_autocast_enabled(device_type, enabled)
-    torch.set_autocast_dtype(device_type, dtype)
-    torch.set_autocast_cache_enabled(True)
-    torch.autocast_increment_nesting()
-    try:
-        yield
-    finally:
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
-        torch.set_autocast_enabled(device_type, prev_enabled)
-        torch.set_autocast_dtype(device_type, prev_dtype)
-        torch.set_autocast_cache_enabled(prev_cache)
 
 
 def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -571,11 +549,10 @@ def _bind_in(gm: GraphModule, kept: dict[str, KeptFunction], source: Callable[[s
             node.replace_all_uses_with(call)
             gm.graph.erase_node(node)
             states = ", ".join(f"{s.device_type} {s.dtype}" for s in kept[key].autocast if s.enabled) or "off"
-            call.meta["graphamp"] = {
-                "category": None, "dtype": None,
-                "reason": f"custom autograd.Function {qualified_name(kept[key].function)}, run whole with "
+            call.meta["graphamp"] = NodeInfo(
+                reason=f"custom autograd.Function {qualified_name(kept[key].function)}, run whole with "
                 f"its own backward under eager's autocast state there ({states})",
-            }
+            )
             continue
         subs = _subgraphs(gm, node)
         keys = [k for sub in subs for k in _recorded_keys(sub, kept)]

@@ -15,7 +15,9 @@ from graphamp.config import Config
 from graphamp.errors import InputMismatchError
 from graphamp.spec import autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
-from graphamp.passes._infra import attr_of, cast_source, short_dtype, tensor_dtype
+from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
+from graphamp.passes.node_info import NodeInfo, peek
+from graphamp.policy import short_dtype
 from graphamp.runtime import _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, rebuild_amp_module
 
 if TYPE_CHECKING:
@@ -168,6 +170,9 @@ class AmpModule(GraphModule):
             )
         return super().train(mode)
 
+    # A saved record (a plain dict) as the node's NodeInfo again; the runtime calls it on load.
+    node_info_from_saved = staticmethod(NodeInfo.from_dict)
+
     def __reduce__(self) -> tuple:
         _, (body, import_block) = super().__reduce__()
         body["_tracer_cls"] = AmpTracer
@@ -184,26 +189,34 @@ class AmpModule(GraphModule):
         categories: collections.Counter = collections.Counter()
         cached = frozen = 0
         for node in self.graph.nodes:
-            info = node.meta.get("graphamp", {})
-            if info.get("cast"):
+            record = peek(node) or NodeInfo()
+            if record.cast:
                 src, dtype = (node.args[1], node.args[2]) if node.target is cached_cast else cast_source(node)
                 # A loaded module's nodes have no fake values: the cast's source dtype was saved.
-                casts[f"{short_dtype(tensor_dtype(src) or info.get('from'))}->{short_dtype(dtype)}"] += 1
+                casts[f"{short_dtype(tensor_dtype(src) or record.source_dtype)}->{short_dtype(dtype)}"] += 1
                 cached += node.target is cached_cast
-            frozen += bool(info.get("frozen"))
-            if info.get("category"):
-                categories[info["category"]] += 1
+            frozen += record.frozen
+            if record.category:
+                categories[record.category] += 1
         return {"casts": sum(casts.values()), "by_dtype": dict(casts), "cached_weight_casts": cached,
                 "frozen_weights": frozen, "ops_by_category": dict(categories)}
 
 
+# What reports read; the rest of a NodeInfo (regions, captured dtypes) is compile-time only.
+_SAVED_FIELDS = ("category", "dtype", "reason", "cast", "source_dtype", "cached", "frozen", "decomposed_from", "eager_kernel", "attention", "notes")
+
+
 def _saved_info(node: torch.fx.Node) -> dict[str, Any] | None:
-    """A node's graphamp meta as a saved module keeps it, with a cast's source dtype."""
-    info = node.meta.get("graphamp")
-    if not info or not info.get("cast"):
-        return info
-    found = (node.args[1], None) if node.target is cached_cast else cast_source(node)
-    return {**info, "from": tensor_dtype(found[0]) or info.get("from")} if found else info
+    """A node's record as a saved module keeps it: a plain dict, with a cast's source dtype."""
+    record = peek(node)
+    if record is None:
+        return None
+    saved = {k: v for k, v in record.to_dict().items() if k in _SAVED_FIELDS}
+    if record.cast:
+        found = (node.args[1], None) if node.target is cached_cast else cast_source(node)
+        if found is not None and tensor_dtype(found[0]) is not None:
+            saved["source_dtype"] = tensor_dtype(found[0])
+    return saved or None
 
 
 def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:

@@ -10,7 +10,7 @@ checks every entry against the installed torch, in both directions.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -23,7 +23,10 @@ __all__ = [
     "LOW_DTYPES",
     "get_policy",
     "lstm_uses_onednn",
+    "is_eligible",
     "op_key",
+    "promote_dtype",
+    "short_dtype",
 ]
 
 
@@ -207,6 +210,43 @@ APPEND_DTYPE_TARGETS = MappingProxyType({
     "norm.Scalar": "norm.ScalarOpt_dtype",
     "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
 })
+
+
+def short_dtype(dtype: torch.dtype | None) -> str:
+    """``torch.bfloat16`` -> ``"bf16"``, as reports and cast names spell dtypes."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}.get(dtype, str(dtype))
+
+
+def is_eligible(val: object, device_type: str) -> bool:
+    """autocast_mode.h ``is_eligible``: a floating tensor, not float64, on the autocast device.
+
+    >>> assert is_eligible(torch.zeros(1), "cpu") and not is_eligible(torch.zeros(1).double(), "cpu")
+    """
+    return (
+        isinstance(val, torch.Tensor)
+        and val.device.type == device_type
+        and val.is_floating_point()
+        and val.dtype is not torch.float64
+    )
+
+
+def promote_dtype(dtypes: Iterable[torch.dtype], low: torch.dtype) -> torch.dtype | None:
+    """autocast's promote rule over the floating input dtypes on the device (``prioritize`` in
+    autocast_mode.h): float64 is ignored, float32 wins over the low dtype; None where two
+    different low dtypes meet, which eager autocast rejects.
+
+    >>> assert promote_dtype([torch.bfloat16, torch.float32], torch.bfloat16) is torch.float32
+    >>> assert promote_dtype([torch.float16, torch.bfloat16], torch.bfloat16) is None
+    """
+    current = low
+    for dtype in dtypes:
+        if dtype is torch.float64:
+            continue
+        if current is torch.float32 or dtype is torch.float32:
+            current = torch.float32
+        elif not (current is low and dtype is low):
+            return None
+    return current
 
 
 def op_key(op: torch._ops.OpOverload) -> str:

@@ -67,7 +67,7 @@ def eager_sdpa_calls(model: nn.Module, args: tuple, kwargs: dict, *, device_type
     >>> q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
     >>> assert eager_sdpa_calls(Attn(), (q, kv, kv), {}, device_type="cpu", dtype=torch.bfloat16) == [SdpaCall(True, 2)]
     """
-    from graphamp.capture import ambient_autocast
+    from graphamp.spec import ambient_autocast
 
     recorder = _RecordSdpa()
     try:

@@ -471,17 +471,17 @@ def _node_meta_record(graph: torch.fx.Graph, info_of: Any) -> dict[str, Any]:
     return {"calls": [(_node_key(n), info_of(n)) for n in calls], "attrs": {k: v for k, v in attrs.items() if v}}
 
 
-def _restore_node_meta(graph: torch.fx.Graph, record: dict[str, Any]) -> None:
+def _restore_node_meta(graph: torch.fx.Graph, record: dict[str, Any], as_info: Any) -> None:
     calls = [n for n in graph.nodes if n.op in ("call_function", "call_module")]
     # Only where the re-trace gave the saved graph's nodes back one for one; otherwise the module
     # runs the same and only its report (cast_summary) is empty.
     if [key for key, _ in record["calls"]] == [_node_key(n) for n in calls]:
         for node, (_, info) in zip(calls, record["calls"]):
             if info:
-                node.meta["graphamp"] = info
+                node.meta["graphamp"] = as_info(info)
     for node in graph.find_nodes(op="get_attr"):
         if node.target in record["attrs"]:
-            node.meta["graphamp"] = record["attrs"][node.target]
+            node.meta["graphamp"] = as_info(record["attrs"][node.target])
 
 
 def rebuild_amp_module(body: dict[str, Any], import_block: str) -> nn.Module:
@@ -493,5 +493,5 @@ def rebuild_amp_module(body: dict[str, Any], import_block: str) -> nn.Module:
     forward = _forward_from_src(import_block + (body.get("_code") or body["code"]), {})
     amp = _deserialize_graph_module(forward, body, graph_module_cls=graphamp.AmpModule)
     if record is not None:
-        _restore_node_meta(amp.graph, record)
+        _restore_node_meta(amp.graph, record, graphamp.AmpModule.node_info_from_saved)
     return amp

@@ -22,6 +22,7 @@ from graphamp.policy import DEVICE_TYPES, LOW_DTYPES, Policy, get_policy
 
 __all__ = [
     "AmpSpec",
+    "ambient_autocast",
     "DTYPE_ALIASES",
     "MODES",
     "TARGETS",
@@ -178,6 +179,30 @@ class AmpSpec:
 
 
 @contextlib.contextmanager
+def ambient_autocast(device_type: str, dtype: torch.dtype, enabled: bool = True) -> Iterator[None]:
+    """Set the autocast state of ``device_type`` the way ``torch.autocast`` does, and restore it.
+
+    ``torch.autocast("cuda")`` disables itself on a CPU-only build; the low-level switches still
+    work over fake CUDA tensors, which is how the CUDA policy is exercised without a GPU.
+    """
+    prev_enabled = torch.is_autocast_enabled(device_type)
+    prev_dtype = torch.get_autocast_dtype(device_type)
+    prev_cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_enabled(device_type, enabled)
+    torch.set_autocast_dtype(device_type, dtype)
+    torch.set_autocast_cache_enabled(True)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(device_type, prev_enabled)
+        torch.set_autocast_dtype(device_type, prev_dtype)
+        torch.set_autocast_cache_enabled(prev_cache)
+
+
+@contextlib.contextmanager
 def autocast_off(device_types: tuple[str, ...] = DEVICE_TYPES) -> Iterator[None]:
     """Switch off any ambient autocast on ``device_types`` for the duration, then restore it.
 
@@ -187,8 +212,6 @@ def autocast_off(device_types: tuple[str, ...] = DEVICE_TYPES) -> Iterator[None]
     >>> with torch.autocast("cpu", dtype=torch.bfloat16), autocast_off():
     ...     assert not torch.is_autocast_enabled("cpu")
     """
-    from graphamp.capture import ambient_autocast
-
     with contextlib.ExitStack() as stack:
         for device_type in device_types:
             if torch.is_autocast_enabled(device_type):

@@ -289,11 +289,11 @@ def test_graph_records_decisions():
     amp = graphamp.convert(Small(), (_x(),))
     linears = [n for n in amp.graph.nodes if n.target is torch.ops.aten.linear.default]
     low, region = linears
-    assert low.meta["graphamp"]["dtype"] is torch.bfloat16
-    assert "lower_precision_fp" in low.meta["graphamp"]["reason"]
-    assert "disabled by a region" in region.meta["graphamp"]["reason"]
-    casts = [n for n in amp.graph.nodes if n.meta.get("graphamp", {}).get("cast")]
-    assert casts and all("input of" in n.meta["graphamp"]["reason"] for n in casts)
+    assert low.meta["graphamp"].dtype is torch.bfloat16
+    assert "lower_precision_fp" in low.meta["graphamp"].reason
+    assert "disabled by a region" in region.meta["graphamp"].reason
+    casts = [n for n in amp.graph.nodes if getattr(n.meta.get("graphamp"), "cast", False)]
+    assert casts and all("input of" in n.meta["graphamp"].reason for n in casts)
 
 
 # Config.
@@ -311,7 +311,7 @@ def test_op_override_forces_low_precision():
     model, x = Small(), _x()
     amp = graphamp.convert(model, (x,), config=graphamp.Config(op_overrides={"layer_norm": "lower_precision_fp"}))
     norm = next(n for n in amp.graph.nodes if n.target is torch.ops.aten.layer_norm.default)
-    assert norm.meta["graphamp"]["dtype"] is torch.bfloat16
+    assert norm.meta["graphamp"].dtype is torch.bfloat16
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = model.a(x)
         expected = F.layer_norm(low, (8,), model.norm.weight.bfloat16(), model.norm.bias.bfloat16()) * model.scale

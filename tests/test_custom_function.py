@@ -149,7 +149,7 @@ def test_ste_keeps_its_identity_backward(dtype):
     assert_exact(model, amp, (x,), {}, dtype)  # autograd's derivative of round would give zero grads
     assert_exact(model, amp, (torch.randn(7, 8),), {}, dtype)  # other batch sizes too
     node = next(n for n in amp.graph.nodes if n.name == "ste")
-    assert "own backward" in node.meta["graphamp"]["reason"]
+    assert "own backward" in node.meta["graphamp"].reason
 
     # The gradient STE passes back is the one reaching its output, unchanged (times the 4 before it).
     model = RoundThenLinear()

@@ -54,7 +54,7 @@ def test_grouped_heads_where_eager_grouped_them(dtype):
     amp, differing = _grads_equal(model, torch.randn(2, 16, DIM * HEADS), dtype)
     assert differing == []
     (sdpa,) = amp.graph.find_nodes(op="call_function", target=SDPA)
-    assert sdpa.kwargs["enable_gqa"] and "enable_gqa" in sdpa.meta["graphamp"]["attention"]
+    assert sdpa.kwargs["enable_gqa"] and "enable_gqa" in sdpa.meta["graphamp"].attention
     # Other shapes keep the rewrite's forward equal to eager (it never changes values).
     for shape in [(1, 5, DIM * HEADS), (3, 9, DIM * HEADS)]:
         x = torch.randn(shape)

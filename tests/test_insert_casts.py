@@ -40,7 +40,7 @@ def test_lower_precision_casts_every_eligible_argument():
     assert _cast_dtypes(gm) == ["torch.bfloat16"] * 3
     linear = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
     assert all(a.target is aten._to_copy.default for a in linear.args)
-    assert linear.meta["graphamp"]["category"] == "lower_precision_fp"
+    assert linear.meta["graphamp"].category == "lower_precision_fp"
 
 
 def test_ineligible_arguments_are_left_alone():
@@ -69,7 +69,7 @@ def test_promote(mixed, expected):
 def test_promote_ignores_float64():
     gm = _rewrite(lambda x: torch.cat([x @ x.t(), x.double()[:, :3]], 0), torch.randn(3, 3))
     cat = next(n for n in gm.graph.nodes if n.target is aten.cat.default)
-    assert cat.meta["graphamp"]["dtype"] is torch.bfloat16  # fp64 does not vote; cat then type-promotes
+    assert cat.meta["graphamp"].dtype is torch.bfloat16  # fp64 does not vote; cat then type-promotes
 
 
 def test_promote_rejects_two_low_dtypes_as_eager_does():
@@ -150,5 +150,5 @@ def test_fp32_module_config_wins_over_the_lists():
     gm = captured(model, (torch.randn(2, 4),))
     insert_casts(gm, spec_of(BF16, config=graphamp.Config(fp32_modules=("1",))))
     second = [n for n in gm.graph.nodes if n.target is aten.linear.default][1]
-    assert second.meta["graphamp"]["dtype"] is torch.float32
-    assert "kept in fp32" in second.meta["graphamp"]["reason"]
+    assert second.meta["graphamp"].dtype is torch.float32
+    assert "kept in fp32" in second.meta["graphamp"].reason

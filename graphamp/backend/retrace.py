@@ -17,8 +17,10 @@ from torch._ops import _get_dispatch_mode_pre_dispatch
 from torch.fx import GraphModule, Interpreter
 from torch.fx.experimental.proxy_tensor import make_fx, track_tensor_tree
 
-from graphamp.capture import _below_tracer, ambient_autocast
+from graphamp.capture import _below_tracer
+from graphamp.spec import ambient_autocast
 from graphamp.backend.fast_paths import composite_for
+from graphamp.passes.node_info import NodeInfo
 from graphamp.policy import Policy
 from graphamp.runtime import KeptGraphFunction, apply_graph_function, current_autocast_state
 
@@ -136,10 +138,9 @@ class _Retracer(Interpreter):
             "call_function", apply_graph_function, (attr, *(tracer.unwrap_proxy(o) for o in operands)), {},
             name="autograd_function",
         )
-        proxy.node.meta["graphamp"] = {
-            "category": None, "dtype": None,
-            "reason": "custom autograd.Function, run whole with its own backward under eager's autocast state there",
-        }
+        proxy.node.meta["graphamp"] = NodeInfo(
+            reason="custom autograd.Function, run whole with its own backward under eager's autocast state there",
+        )
         return track_tensor_tree(out, proxy, constant=None, tracer=tracer)
 
 

@@ -27,7 +27,7 @@ def convert_demo(args: argparse.Namespace) -> int:
     """Convert a built-in model, print its cast summary, and check it against eager autocast."""
     import graphamp
     from graphamp.testing import zoo
-    from graphamp.passes._infra import short_dtype
+    from graphamp.policy import short_dtype
 
     dtype = DTYPE_ALIASES[args.dtype]
     case = zoo.build(args.model)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import dataclasses
 import weakref
 
 import torch
@@ -22,7 +23,8 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphamp.passes._infra import GRAPHAMP, attr_of, is_graphamp_cast
+from graphamp.passes.graph_edit import attr_of, is_graphamp_cast
+from graphamp.passes.node_info import NodeInfo, peek
 from graphamp.runtime import WeightCache, cached_cast
 
 if TYPE_CHECKING:
@@ -58,8 +60,7 @@ def cache_weights(gm: GraphModule, spec: AmpSpec) -> PassResult:
     for cast, src in casts:
         with graph.inserting_before(cast):
             new = graph.create_node("call_function", cached_cast, (cache, src, cast.kwargs["dtype"]), name=cast.name + "_cached")
-        new.meta = dict(cast.meta)
-        new.meta[GRAPHAMP] = {**cast.meta[GRAPHAMP], "cached": True}
+        new.meta = {**cast.meta, "graphamp": dataclasses.replace(peek(cast), cached=True)}
         cast.replace_all_uses_with(new)
         graph.erase_node(cast)
     graph.lint()
@@ -84,7 +85,7 @@ def freeze_weights(gm: GraphModule, spec: AmpSpec) -> PassResult:
         owner.register_buffer(name, low)
         sources[src.target] = weakref.ref(param)
         src.meta["val"] = cast.meta.get("val")
-        src.meta[GRAPHAMP] = {"frozen": True, "reason": f"parameter cast to {cast.kwargs['dtype']} once, at conversion"}
+        src.meta["graphamp"] = NodeInfo(frozen=True, reason=f"parameter cast to {cast.kwargs['dtype']} once, at conversion")
         cast.replace_all_uses_with(src)
         graph.erase_node(cast)
         modified = True

@@ -24,16 +24,9 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphamp.passes._infra import (
-    GRAPHAMP,
-    attr_of,
-    cast_source,
-    grad_free_nodes,
-    has_mutating_user,
-    in_no_grad,
-    is_graphamp_cast,
-    tensor_dtype,
-)
+from graphamp.passes.grad_analysis import grad_free_nodes, in_no_grad
+from graphamp.passes.graph_edit import attr_of, carried_meta, cast_source, has_mutating_user, is_graphamp_cast, tensor_dtype
+from graphamp.passes.node_info import peek
 from graphamp.runtime import autocast_cached
 
 if TYPE_CHECKING:
@@ -84,8 +77,8 @@ def dedupe_casts(gm: GraphModule, spec: AmpSpec) -> PassResult:
             if kept is not node:
                 with gm.graph.inserting_before(node):
                     shared = gm.graph.call_function(autocast_cached, (src, kept, node.kwargs["dtype"]))
-                shared.meta = {**node.meta, GRAPHAMP: {"reason": f"{node.meta[GRAPHAMP]['reason']}; "
-                               f"reuses {kept.name} where eager autocast's cache would"}}
+                reason = f"{peek(node).reason}; reuses {kept.name} where eager autocast's cache would"
+                shared.meta = {**carried_meta(node, reason=reason), "val": node.meta.get("val")}
                 node.replace_all_uses_with(shared)
                 gm.graph.erase_node(node)
                 modified = True

@@ -14,7 +14,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphamp.passes._infra import cast_source, grad_free_nodes, has_mutating_user, is_graphamp_cast, tensor_dtype
+from graphamp.passes.grad_analysis import grad_free_nodes
+from graphamp.passes.graph_edit import cast_source, has_mutating_user, is_graphamp_cast, tensor_dtype
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec

@@ -24,7 +24,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.errors import EagerPathWarning
-from graphamp.passes._infra import GRAPHAMP, fake_mode_of, recompute_val, val_of
+from graphamp.passes.graph_edit import carried_meta, fake_mode_of, recompute_val, val_of
+from graphamp.passes.node_info import info
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
@@ -117,14 +118,14 @@ def follow_eager_attention(gm: GraphModule, spec: AmpSpec) -> PassResult:
         with gm.graph.inserting_before(node):
             grouped = [gm.graph.call_function(aten.squeeze.dim, (src, 2)) for src, _ in (key, value)]
         for new in grouped:
-            new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "graphamp_region")}
+            new.meta = carried_meta(node)
             new.meta["val"] = recompute_val(new, fake_mode)
         repeated = node.args[1:3]
         node.args = (node.args[0], *grouped, *node.args[3:])
         for old in repeated:
             _erase_if_dead(gm, old)
         node.kwargs = {**node.kwargs, "enable_gqa": True}
-        node.meta.setdefault(GRAPHAMP, {})["attention"] = (
+        info(node).attention = (
             f"grouped key/value heads with enable_gqa=True, as eager called it (traced code repeated them {key[1]}x)"
         )
         modified = True

@@ -7,13 +7,13 @@ A region the user wrote in ``forward`` (``with torch.autocast(...)``, ``with tor
 * make_fx pre-dispatch and dynamo: ``_enter_autocast`` ... ``_exit_autocast`` marker nodes, and
   bare ``torch._C._set_grad_enabled`` switches for grad-mode regions.
 
-Both become plain nodes tagged with ``node.meta["graphamp_region"]``, a tuple of frames, outermost
-first. Autocast frames are dropped from the code (the casts will carry the policy; no runtime
+Both become plain nodes whose ``NodeInfo.region`` holds a tuple of frames, outermost first. Autocast frames are dropped from the code (the casts will carry the policy; no runtime
 autocast remains). Grad-mode frames stay as explicit grad-mode calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +21,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.errors import CaptureError
-from graphamp.passes._infra import REGION, AutocastFrame, GradFrame, inline_subgraph, region_of
+from graphamp.passes.graph_edit import inline_subgraph
+from graphamp.passes.node_info import AutocastFrame, GradFrame, NodeInfo, info, peek, region_of
 from graphamp.runtime import set_grad_enabled
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ _hop = torch.ops.higher_order
 _ENTER = torch.amp.autocast_mode._enter_autocast
 _EXIT = torch.amp.autocast_mode._exit_autocast
 _SET_GRAD_ENABLED = torch._C._set_grad_enabled
-_SWITCH_APPLIED = "graphamp_grad_switch"
 
 
 def _is_hop(node: Node) -> bool:
@@ -47,14 +47,19 @@ def _inline_subgraph(gm: GraphModule, hop: Node, sub: GraphModule, operands: tup
     if isinstance(frame, GradFrame):
         with graph.inserting_before(hop):
             prev = graph.call_function(set_grad_enabled, (frame.enabled,))
-        prev.meta[REGION] = outer
-    copies = inline_subgraph(
-        graph, hop, sub.graph, list(operands), lambda n: {**n.meta, REGION: outer + (frame,) + region_of(n)}
-    )
+        info(prev).region = outer
+    copies = inline_subgraph(graph, hop, sub.graph, list(operands), lambda n: _in_region(n, outer + (frame,)))
     if isinstance(frame, GradFrame):
         with graph.inserting_after(copies[-1] if copies else prev):
             restore = graph.call_function(set_grad_enabled, (prev,))
-        restore.meta[REGION] = outer
+        info(restore).region = outer
+
+
+def _in_region(node: Node, frames: tuple) -> dict:
+    """``node``'s meta for a copy inside ``frames``, its own record (if any) copied, not shared."""
+    record = dataclasses.replace(peek(node) or NodeInfo())
+    record.region = frames + record.region
+    return {**node.meta, "graphamp": record}
 
 
 def _inline_hops(gm: GraphModule) -> bool:
@@ -101,12 +106,12 @@ def _inline_markers(gm: GraphModule) -> bool:
             markers.append(node)
         elif node.op == "call_function" and node.target is _SET_GRAD_ENABLED:
             # A switch an earlier run applied has tagged the nodes after it already.
-            if not node.meta.get(_SWITCH_APPLIED):
-                node.meta[_SWITCH_APPLIED] = True
+            if not info(node).grad_switch:
+                info(node).grad_switch = True
                 grad = (GradFrame(bool(node.args[0])),)
                 tagged = True
         elif stack or grad:
-            node.meta[REGION] = tuple(stack) + grad + region_of(node)
+            info(node).region = tuple(stack) + grad + region_of(node)
     for node in reversed(markers):
         gm.graph.erase_node(node)
     return bool(markers) or tagged

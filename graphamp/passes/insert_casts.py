@@ -15,7 +15,8 @@ on fake tensors after every edit, ``getitem`` outputs included). For each op it 
 * a CompositeImplicitAutograd op that autocast does not list runs its decomposition with autocast
   still on, so when that decomposition holds listed ops the node is replaced by it.
 
-Each op node gets ``node.meta["graphamp"] = {"category", "dtype", "reason"}``; each cast records why.
+Each op node's :class:`~graphamp.passes.node_info.NodeInfo` gets its category, dtype and reason;
+each cast records why.
 """
 
 from __future__ import annotations
@@ -32,23 +33,23 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils import _pytree as pytree
 
-from graphamp.capture import ambient_autocast
+from graphamp.spec import ambient_autocast
 from graphamp.config import Config
 from graphamp.errors import BannedOpError, EagerPathWarning, PromoteTypeError
-from graphamp.passes._infra import (
-    GRAPHAMP,
+from graphamp.passes.grad_analysis import in_no_grad
+from graphamp.passes.graph_edit import (
+    carried_meta,
     dtypes_of,
     fake_mode_of,
-    in_no_grad,
     inline_subgraph,
     insert_cast,
-    is_eligible,
     is_mutating,
+    next_node,
     recompute_val,
     val_of,
 )
-from graphamp.passes.inline_regions import AutocastFrame, region_of
-from graphamp.policy import APPEND_DTYPE_TARGETS, Category, Policy, lstm_uses_onednn, op_key
+from graphamp.passes.node_info import AutocastFrame, info, region_of
+from graphamp.policy import APPEND_DTYPE_TARGETS, Category, Policy, is_eligible, lstm_uses_onednn, op_key, promote_dtype
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
@@ -69,13 +70,13 @@ def _autocast_state(node: Node, policy: Policy) -> tuple[bool, torch.dtype]:
     return enabled, dtype
 
 
-def _tensor_kind(arg_type: torch._C.JitType) -> str | None:
+def _tensor_kind(arg_type: torch.Type) -> str | None:
     """'tensor' for Tensor / Tensor?, 'list' for Tensor[]; autocast casts only these."""
-    if isinstance(arg_type, torch._C.OptionalType):
+    if isinstance(arg_type, torch.OptionalType):
         arg_type = arg_type.getElementType()
-    if isinstance(arg_type, torch._C.TensorType):
+    if isinstance(arg_type, torch.TensorType):
         return "tensor"
-    if isinstance(arg_type, torch._C.ListType) and isinstance(arg_type.getElementType(), torch._C.TensorType):
+    if isinstance(arg_type, torch.ListType) and isinstance(arg_type.getElementType(), torch.TensorType):
         return "list"
     return None
 
@@ -147,7 +148,7 @@ class _Rewriter:
             node = self.visit(node)
 
     def visit(self, node: Node) -> Node | None:
-        nxt = node.next if node.next is not self.graph._root else None
+        nxt = next_node(node)
         if node.op != "call_function":
             return nxt
         edited = False
@@ -186,9 +187,8 @@ class _Rewriter:
 
     def apply_policy(self, node: Node) -> bool:
         category, low, reason = self.category_of(node)
-        node.meta.setdefault(GRAPHAMP, {}).update(
-            {"category": category and category.value, "dtype": None, "reason": reason}
-        )
+        record = info(node)
+        record.category, record.dtype, record.reason = category and category.value, None, reason
         if category is None:
             return False
         device = self.policy.device_type
@@ -213,7 +213,7 @@ class _Rewriter:
             to_type = torch.float32
         else:
             to_type = self.promote_type(node, slots, low, device)
-        node.meta[GRAPHAMP]["dtype"] = to_type
+        info(node).dtype = to_type
         edited = False
         for where, index, src in slots:
             val = val_of(src)
@@ -225,22 +225,19 @@ class _Rewriter:
         return edited
 
     def promote_type(self, node: Node, slots: list, low: torch.dtype, device: str) -> torch.dtype:
-        current = low
-        for _, _, src in slots:
-            val = val_of(src)
-            if not (isinstance(val, torch.Tensor) and val.device.type == device and val.is_floating_point()):
-                continue
-            if val.dtype is torch.float64:
-                continue
-            if current is torch.float32 or val.dtype is torch.float32:
-                current = torch.float32
-            elif not (current is low and val.dtype is low):
-                raise PromoteTypeError(
-                    f"{node.target} at node {node.name} ({_where(node)}) mixes {val.dtype} with the "
-                    f"autocast dtype {low}; eager autocast rejects this too ('Unexpected floating "
-                    "ScalarType in at::autocast::prioritize'). Way out: cast the operands to one dtype first."
-                )
-        return current
+        dtypes = [
+            val.dtype for val in (val_of(src) for _, _, src in slots)
+            if isinstance(val, torch.Tensor) and val.device.type == device and val.is_floating_point()
+        ]
+        promoted = promote_dtype(dtypes, low)
+        if promoted is None:
+            other = next(d for d in dtypes if d not in (low, torch.float32, torch.float64))
+            raise PromoteTypeError(
+                f"{node.target} at node {node.name} ({_where(node)}) mixes {other} with the "
+                f"autocast dtype {low}; eager autocast rejects this too ('Unexpected floating "
+                "ScalarType in at::autocast::prioritize'). Way out: cast the operands to one dtype first."
+            )
+        return promoted
 
     def set_opt_dtype(self, node: Node, device: str) -> bool:
         if not is_eligible(_first_arg(node), device):
@@ -255,7 +252,7 @@ class _Rewriter:
             return False
         else:
             node.kwargs = {**node.kwargs, "dtype": torch.float32}
-        node.meta[GRAPHAMP]["dtype"] = torch.float32
+        info(node).dtype = torch.float32
         self.modified = True
         return True
 
@@ -272,7 +269,7 @@ class _Rewriter:
         node.target = target
         node.args = tuple(args)
         node.kwargs = {"dtype": out_type}
-        node.meta[GRAPHAMP]["dtype"] = out_type
+        info(node).dtype = out_type
         self.modified = True
         return True
 
@@ -284,7 +281,7 @@ class _Rewriter:
         if op is torch.ops.aten.lstm.input and self.kernel_paths and self.onednn_lstm_applies(node):
             sub, leaves = self.trace_onednn_lstm(node)
             if sub is not None:
-                return self.inline(node, sub, leaves, {"eager_kernel": "oneDNN (mkldnn_rnn_layer per layer and direction)"})
+                return self.inline(node, sub, leaves, "oneDNN (mkldnn_rnn_layer per layer and direction)")
         category, _, _ = self.category_of(node)
         enabled, _ = _autocast_state(node, self.policy)
         if category is not None or not enabled or op_key(op) in self.config.op_overrides:
@@ -398,12 +395,11 @@ class _Rewriter:
                 self.not_relevant.add(key)
         return False
 
-    def inline(self, node: Node, sub: GraphModule, leaves: list[Node], info: dict | None = None) -> Node | None:
-        after = node.next if node.next is not self.graph._root else None
-        keep = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "graphamp_region")}
+    def inline(self, node: Node, sub: GraphModule, leaves: list[Node], eager_kernel: str | None = None) -> Node | None:
+        after = next_node(node)
         copies = inline_subgraph(
             self.graph, node, sub.graph, leaves,
-            lambda n: {**keep, "val": n.meta.get("val"), GRAPHAMP: {"decomposed_from": node.name, **(info or {})}},
+            lambda n: {**carried_meta(node, decomposed_from=node.name, eager_kernel=eager_kernel), "val": n.meta.get("val")},
         )
         self.fresh.update(copies)
         self.modified = True

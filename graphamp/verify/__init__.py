@@ -27,7 +27,7 @@ from torch import nn
 
 from graphamp.config import Config
 from graphamp.convert import check_inputs
-from graphamp.passes._infra import short_dtype
+from graphamp.policy import short_dtype
 from graphamp.spec import AmpSpec, autocast_off
 from graphamp.verify.report import Divergence, GradCheck, GradDivergence, OutputCheck, Report, _compare_outputs
 from graphamp.verify.signatures import OpSignature, _divergence, _scan, first_divergence, op_signatures

@@ -18,7 +18,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphamp.emit import AmpModule
-from graphamp.passes._infra import short_dtype
+from graphamp.passes.graph_edit import is_graphamp_cast
+from graphamp.passes.node_info import peek
+from graphamp.policy import short_dtype
 from graphamp.verify.report import GradCheck, GradDivergence, _equal_nan, _errors
 from graphamp.verify.signatures import _is_passthrough, _op_name, _type_name
 from graphamp.verify.reference import _rng_state, _set_rng_state
@@ -204,11 +206,16 @@ def _grad_divergence(got: _GradRun, want: _GradRun) -> tuple[GradDivergence, lis
         index=index,
         module_path=path,
         module_type=_type_name(type_) if type_ is not None else None,
-        reason=node.meta.get("graphamp", {}).get("reason") if node is not None else None,
+        reason=_reason(node),
         max_abs=max_abs,
         consumers=tuple(c.name for c in consumers),
         consumer_modules=tuple(_module_of(c)[0] or "" for c in consumers),
     ), notes
+
+
+def _reason(node: Node | None) -> str | None:
+    record = peek(node) if node is not None else None
+    return record.reason if record is not None else None
 
 
 def _module_of(node: Node | None) -> tuple[str | None, Any]:
@@ -227,7 +234,7 @@ def _consumers(node: Node) -> list[Node]:
             continue
         seen.add(user)
         relabels = user.op == "call_function" and (
-            user.target is operator.getitem or _is_passthrough(user.target) or user.meta.get("graphamp", {}).get("cast")
+            user.target is operator.getitem or _is_passthrough(user.target) or is_graphamp_cast(user)
         )
         if relabels:
             pending.extend(user.users)

@@ -22,7 +22,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from graphamp.capture import ambient_autocast
+from graphamp.spec import ambient_autocast
 from graphamp.config import Config
 from graphamp.convert import _convert as convert_core
 from graphamp.emit import AmpModule

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from graphamp.passes._infra import short_dtype
+from graphamp.policy import short_dtype
 
 
 @dataclasses.dataclass(frozen=True)

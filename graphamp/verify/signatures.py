@@ -11,8 +11,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from graphamp.passes._infra import short_dtype
-from graphamp.passes.check_dtypes import CAPTURED
+from graphamp.policy import short_dtype
+from graphamp.passes.node_info import NodeInfo, peek
 from graphamp.verify.report import Divergence
 
 
@@ -182,8 +182,8 @@ def _divergence(where: _Where, graphamp: list[OpSignature], eager: list[OpSignat
     origin = _origin(anchor.node, amp) if anchor is not None else None
     stack = list((origin.meta.get("nn_module_stack") or {}).values()) if origin is not None else []
     path, type_ = stack[-1] if stack else (None, None)
-    info = origin.meta.get("graphamp", {}) if origin is not None else {}
-    captured = origin.meta.get(CAPTURED) if origin is not None else None
+    record = (peek(origin) if origin is not None else None) or NodeInfo()
+    captured = record.captured
     structural = where.kind == "structure"
     return Divergence(
         kind=where.kind,
@@ -198,7 +198,7 @@ def _divergence(where: _Where, graphamp: list[OpSignature], eager: list[OpSignat
         eager_inputs=e.inputs if e else (),
         graphamp_outputs=g.outputs if g else (),
         eager_outputs=e.outputs if e else (),
-        reason=info.get("reason"),
+        reason=record.reason,
         captured_dtypes=tuple(short_dtype(d) for d in captured) if captured is not None else None,
         graphamp_only=tuple(s.op for s in graphamp[slice(*where.graphamp)][:5]) if structural else (),
         eager_only=tuple(s.op for s in eager[slice(*where.eager)][:5]) if structural else (),

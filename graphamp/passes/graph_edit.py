@@ -1,42 +1,44 @@
-"""Helpers shared by the passes: fake-tensor metadata, cast nodes, eligibility."""
+"""Editing graphs: fake values, cast nodes, inlining subgraphs, reading attributes."""
 
 from __future__ import annotations
 
 import operator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from torch import nn
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
+from graphamp.passes.node_info import NodeInfo, peek
+from graphamp.policy import short_dtype
 
-REGION = "graphamp_region"
-
-
-class AutocastFrame(NamedTuple):
-    device_type: str
-    dtype: torch.dtype | None
-    enabled: bool
-
-
-class GradFrame(NamedTuple):
-    enabled: bool
-
-
-def region_of(node: Node) -> tuple[AutocastFrame | GradFrame, ...]:
-    return node.meta.get(REGION, ())
-
+__all__ = [
+    "CAST_TARGET", "attr_of", "carried_meta", "cast_source", "dtypes_of", "fake_mode_of", "has_mutating_user",
+    "inline_subgraph", "insert_cast", "is_graphamp_cast", "is_mutating", "next_node", "recompute_val", "tensor_dtype",
+    "val_of",
+]
 
 aten = torch.ops.aten
-GRAPHAMP = "graphamp"
 CAST_TARGET = aten._to_copy.default
+# What a node made from another (a cast for it, a node of its decomposition) inherits from it.
+_CARRIED = ("nn_module_stack", "stack_trace")
 
 
-def short_dtype(dtype: torch.dtype | None) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}.get(dtype, str(dtype))
+def next_node(node: Node) -> Node | None:
+    """The node after ``node`` in graph order, None after the last (the graph's sentinel has op "root")."""
+    after = node.next
+    return None if after.op == "root" else after
+
+
+def carried_meta(node: Node, **fields: Any) -> dict[str, Any]:
+    """Meta for a node made from ``node``: its module path and source line, and a fresh
+    :class:`NodeInfo` in the same regions with ``fields`` set."""
+    meta = {k: v for k, v in node.meta.items() if k in _CARRIED}
+    record = peek(node)
+    meta["graphamp"] = NodeInfo(region=record.region if record is not None else (), **fields)
+    return meta
 
 
 def fake_mode_of(gm: GraphModule) -> FakeTensorMode:
@@ -66,16 +68,6 @@ def dtypes_of(val: Any) -> tuple:
     return tuple(v.dtype if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(val))
 
 
-def is_eligible(val: Any, device_type: str) -> bool:
-    """autocast_mode.h ``is_eligible``: floating, not float64, on the autocast device."""
-    return (
-        isinstance(val, torch.Tensor)
-        and val.device.type == device_type
-        and val.is_floating_point()
-        and val.dtype is not torch.float64
-    )
-
-
 def is_mutating(op: Any) -> bool:
     """In-place and ``out=`` overloads write to an argument; autocast never touches them."""
     return isinstance(op, torch._ops.OpOverload) and any(
@@ -84,7 +76,8 @@ def is_mutating(op: Any) -> bool:
 
 
 def is_graphamp_cast(node: Node) -> bool:
-    return node.op == "call_function" and node.meta.get(GRAPHAMP, {}).get("cast", False)
+    record = peek(node)
+    return node.op == "call_function" and record is not None and record.cast
 
 
 def cast_source(node: Node) -> tuple[Node, torch.dtype] | None:
@@ -115,9 +108,8 @@ def recompute_val(node: Node, fake_mode: FakeTensorMode) -> Any:
 def insert_cast(graph: torch.fx.Graph, src: Node, dtype: torch.dtype, before: Node, fake_mode: FakeTensorMode, reason: str) -> Node:
     with graph.inserting_before(before):
         cast = graph.create_node("call_function", CAST_TARGET, (src,), {"dtype": dtype}, name=f"{src.name}_{short_dtype(dtype)}")
-    cast.meta.update({k: v for k, v in before.meta.items() if k in ("nn_module_stack", "stack_trace", "graphamp_region")})
+    cast.meta.update(carried_meta(before, cast=True, reason=reason))
     cast.meta["val"] = recompute_val(cast, fake_mode)
-    cast.meta[GRAPHAMP] = {"cast": True, "reason": reason}
     return cast
 
 
@@ -157,32 +149,8 @@ def inline_subgraph(graph: torch.fx.Graph, node: Node, sub: torch.fx.Graph, inpu
 
 
 def attr_of(gm: GraphModule, target: str) -> object:
+    """The attribute ``target`` ("a.b.weight") of ``gm``."""
     obj: object = gm
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def in_no_grad(node: Node) -> bool:
-    frames = [f for f in region_of(node) if isinstance(f, GradFrame)]
-    return bool(frames) and not frames[-1].enabled
-
-
-def grad_free_nodes(gm: GraphModule, *, no_grad: bool = False) -> set[Node]:
-    """Nodes whose value can never require grad, whatever inputs the module is called with."""
-    if no_grad:
-        return set(gm.graph.nodes)
-    free: set[Node] = set()
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if node.op == "placeholder":
-            if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
-                free.add(node)
-        elif node.op == "get_attr":
-            attr = attr_of(gm, node.target)
-            if not (isinstance(attr, nn.Parameter) and attr.requires_grad):
-                free.add(node)
-        elif node.op == "call_function":
-            if in_no_grad(node) or all(a in free for a in node.all_input_nodes):
-                free.add(node)
-    return free
