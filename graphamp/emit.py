@@ -249,7 +249,7 @@ def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tup
             state[path] = buf
     for path, value in state.items():
         owner, name = _owner(amp, path)
-        if name in owner._parameters or name in owner._buffers:
+        if name in dict(owner.named_parameters(recurse=False)) or name in dict(owner.named_buffers(recurse=False)):
             continue
         if isinstance(value, nn.Parameter):
             owner.register_parameter(name, value)
@@ -259,7 +259,9 @@ def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tup
     for path, _ in list(amp.named_buffers(remove_duplicate=False)):
         if path not in persistent:
             owner, name = _owner(amp, path)
-            owner._non_persistent_buffers_set.add(name)
+            buf = owner.get_buffer(name)
+            delattr(owner, name)
+            owner.register_buffer(name, buf, persistent=False)
     amp.__dict__["_graphamp"] = AmpInfo(spec.device_type, spec.dtype, spec.mode, model.training, spec.config, spec.inference)
     amp.__dict__["_graphamp_frozen"] = frozen
     if example is not None:

@@ -81,7 +81,7 @@ def freeze_weights(gm: GraphModule, spec: AmpSpec) -> PassResult:
             low = param.detach().to(cast.kwargs["dtype"])
         *path, name = src.target.split(".")
         owner = gm.get_submodule(".".join(path)) if path else gm
-        del owner._parameters[name]
+        delattr(owner, name)
         owner.register_buffer(name, low)
         sources[src.target] = weakref.ref(param)
         src.meta["val"] = cast.meta.get("val")
