@@ -8,6 +8,7 @@ in mixed precision with no runtime autocast.
 from graphamp.config import Config
 from graphamp.convert import convert
 from graphamp.emit import AmpInfo, AmpModule
+from graphamp.export import export
 from graphamp.errors import (
     BannedOpError,
     CaptureError,
@@ -16,8 +17,10 @@ from graphamp.errors import (
     InputMismatchError,
     OptionError,
     EagerPathWarning,
+    ExportError,
     PolicyDriftError,
     PromoteTypeError,
+    ScriptCaptureError,
     UnsupportedFunctionError,
 )
 from graphamp.policy import Category, Policy, get_policy
@@ -36,13 +39,16 @@ __all__ = [
     "InputMismatchError",
     "OptionError",
     "EagerPathWarning",
+    "ExportError",
     "Policy",
     "PolicyDriftError",
     "PromoteTypeError",
     "Report",
+    "ScriptCaptureError",
     "TrainStep",
     "UnsupportedFunctionError",
     "convert",
+    "export",
     "get_policy",
     "verify",
 ]

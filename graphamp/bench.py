@@ -3,7 +3,8 @@
 Every variant runs the same model (its own copy) on the same inputs. Timings come from
 ``torch.utils.benchmark.Timer`` in interleaved rounds (variant A, B, C, A, B, C, ...), so drifts of
 the machine hit all variants alike; a row reports the median over rounds, the p10-p90 spread, and
-ratios of medians to eager autocast and to pure low precision.
+ratios of medians to eager autocast, to pure low precision, to fp32 and to the better of fp32 and
+eager autocast (``vs best``: what a user could get without graphamp).
 
 Other columns:
 * casts/call: ``aten._to_copy`` ops one call executes after warm-up, counted by lowering the call with
@@ -12,7 +13,9 @@ Other columns:
   temporary weight copies), tracked per op output by a dispatch mode; parameters, inputs and
   caches made before the call are not counted (n/a for compiled variants);
 * max err: the largest absolute difference of any output from eager autocast's, on the first call
-  with identical weights (0 means bitwise equal).
+  with identical weights (0 means bitwise equal);
+* err vs fp32: the largest absolute difference of any output from fp32's, with eager autocast's own
+  error against fp32 beside it (autotune must not exceed it).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ VARIANTS = (
     "pure_low",
     "graphamp",
     "graphamp_inference",
+    "graphamp_autotune",
     "compile_autocast",
     "compile_autocast_freezing",
     "graphamp_backend",
@@ -87,9 +91,14 @@ class Row:
     p90_ms: float | None = None
     vs_autocast: float | None = None
     vs_pure_low: float | None = None
+    vs_fp32: float | None = None
+    vs_best: float | None = None  # median / min(fp32, eager autocast)
     casts_per_call: int | None = None
     peak_mib: float | None = None
     max_err: float | None = None
+    err_vs_fp32: float | None = None
+    autocast_err_vs_fp32: float | None = None
+    note: str = ""
     setup_s: float | None = None
     samples: list[float] = field(default_factory=list, repr=False)
 
@@ -114,6 +123,7 @@ class _Variant:
         self.step = step
         self.forward = forward
         self.lowerable = lowerable
+        self.note = ""
 
 
 def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Variant:
@@ -161,6 +171,14 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Varia
         amp = graphamp.convert(model, args, kwargs, dtype=dtype, inference=name == "graphamp_inference")
         call = lambda: amp(*args, **kwargs)  # noqa: E731
         return _Variant(as_step(call, model.parameters()), call, call)
+    if name == "graphamp_autotune":
+        from graphamp.plan import AutotunePlan
+
+        amp = graphamp.convert(model, args, kwargs, dtype=dtype, mode="autotune", inference=task == "infer")
+        call = lambda: amp(*args, **kwargs)  # noqa: E731
+        variant = _Variant(as_step(call, model.parameters()), call, call)
+        variant.note = AutotunePlan.of(amp).summary()
+        return variant
     if name in ("compile_autocast", "compile_autocast_freezing"):
         # Inductor options are part of the backend, so the two variants never share a compiled graph.
         compiled = torch.compile(model, options={"freezing": name.endswith("freezing")})
@@ -273,6 +291,7 @@ def run(
             start = time.perf_counter()
             try:
                 prepared[v] = _prepare(v, case, task, low)
+                model_rows[v].note = prepared[v].note
                 # first calls: compile/convert warm-up, and the error against eager autocast
                 if prepared[v].forward is not None:
                     with torch.no_grad():
@@ -299,6 +318,10 @@ def run(
             row.median_ms, row.p10_ms, row.p90_ms = statistics.median(row.samples), q[0], q[-1]
             if "autocast" in first_out and v in first_out:
                 row.max_err = _max_err(first_out[v], first_out["autocast"])
+            if "fp32" in first_out and v in first_out:
+                row.err_vs_fp32 = _max_err(first_out[v], first_out["fp32"])
+                if "autocast" in first_out:
+                    row.autocast_err_vs_fp32 = _max_err(first_out["autocast"], first_out["fp32"])
             if prepared[v].lowerable is not None and task == "infer":
                 try:
                     with torch.no_grad():
@@ -309,12 +332,18 @@ def run(
                 row.peak_mib = _peak_mib(prepared[v].step)
         base = model_rows.get("autocast")
         pure = model_rows.get("pure_low")
+        fp32 = model_rows.get("fp32")
+        best = min((r.median_ms for r in (base, fp32) if r is not None and r.median_ms), default=None)
         for v in live:
             row = model_rows[v]
             if base is not None and base.median_ms:
                 row.vs_autocast = row.median_ms / base.median_ms
             if pure is not None and pure.median_ms:
                 row.vs_pure_low = row.median_ms / pure.median_ms
+            if fp32 is not None and fp32.median_ms:
+                row.vs_fp32 = row.median_ms / fp32.median_ms
+            if best:
+                row.vs_best = row.median_ms / best
         rows.extend(model_rows.values())
     _progress("")
     print(file=sys.stderr, end="")
@@ -336,18 +365,25 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def table(rows: list[Row]) -> str:
     """A Markdown table of the rows."""
-    head = "| model | task | dtype | variant | median ms | p10-p90 ms | vs autocast | vs pure low | casts/call | peak MiB | max err | setup s |"
-    lines = [head, "|" + "---|" * 12]
+    head = (
+        "| model | task | dtype | variant | median ms | p10-p90 ms | vs autocast | vs pure low | vs fp32 | vs best "
+        "| casts/call | peak MiB | max err | err vs fp32 (autocast's) | setup s |"
+    )
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         if r.status != "ok":
-            lines.append(f"| {r.model} | {r.task} | {r.dtype} | {r.variant} | {r.status} | | | | | | | |")
+            lines.append(f"| {r.model} | {r.task} | {r.dtype} | {r.variant} | {r.status} |" + " |" * 10)
             continue
         lines.append(
             f"| {r.model} | {r.task} | {r.dtype} | {r.variant} | {_fmt(r.median_ms, '.3f')} | "
             f"{_fmt(r.p10_ms, '.3f')}-{_fmt(r.p90_ms, '.3f')} | {_fmt(r.vs_autocast, '.2f')} | "
-            f"{_fmt(r.vs_pure_low, '.2f')} | {_fmt(r.casts_per_call, 'd')} | {_fmt(r.peak_mib, '.1f')} | "
-            f"{_fmt(r.max_err, '.3g')} | {_fmt(r.setup_s, '.1f')} |"
+            f"{_fmt(r.vs_pure_low, '.2f')} | {_fmt(r.vs_fp32, '.2f')} | {_fmt(r.vs_best, '.2f')} | "
+            f"{_fmt(r.casts_per_call, 'd')} | {_fmt(r.peak_mib, '.1f')} | "
+            f"{_fmt(r.max_err, '.3g')} | {_fmt(r.err_vs_fp32, '.3g')} ({_fmt(r.autocast_err_vs_fp32, '.3g')}) | {_fmt(r.setup_s, '.1f')} |"
         )
+    notes = [f"{r.model} {r.variant}: {r.note}" for r in rows if r.note]
+    if notes:
+        lines += [""] + notes
     return "\n".join(lines)
 
 

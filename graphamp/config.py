@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from graphamp.plan import AutotunePlan
 from graphamp.policy import Category, op_key
 from graphamp.runtime import FrozenDict
 
@@ -64,6 +65,9 @@ class Config:
     # Submodules whose ops all run in float32 (eligible inputs cast up): qualified-name globs
     # such as "encoder.layer.*.attention", or nn.Module subclasses such as nn.LayerNorm.
     fp32_modules: tuple[str | type[nn.Module], ...] = ()
+    # mode="autotune" only: a graphamp.AutotunePlan (or its to_dict() data) to replay instead of
+    # measuring; a plan made for another model, device or dtype raises PlanMismatchError.
+    plan: AutotunePlan | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.op_overrides, Mapping):
@@ -77,6 +81,13 @@ class Config:
                     f"Config.fp32_modules entries must be qualified-name globs or nn.Module subclasses, got {m!r}"
                 )
         object.__setattr__(self, "fp32_modules", modules)
+        if isinstance(self.plan, Mapping):
+            object.__setattr__(self, "plan", AutotunePlan.from_dict(self.plan))
+        elif self.plan is not None and not isinstance(self.plan, AutotunePlan):
+            raise TypeError(
+                f"Config.plan must be a graphamp.AutotunePlan (AutotunePlan.of(amp), or AutotunePlan.load(path)), "
+                f"got {type(self.plan).__name__}"
+            )
 
     @property
     def is_default(self) -> bool:

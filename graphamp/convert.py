@@ -38,6 +38,7 @@ def convert(
     mode: str = "exact",
     config: Config | None = None,
     inference: bool = False,
+    keep_io_types: bool = False,
 ) -> AmpModule:
     """Rewrite ``model`` into explicit mixed precision, equal to running it under ``torch.autocast``.
 
@@ -52,6 +53,9 @@ def convert(
         inference: deployment mode: no gradient path is kept (calls run under ``no_grad``),
             casts are shared freely, and weights used only in low precision are cast once, now,
             and held in low precision only. Outputs stay bitwise equal to eager autocast.
+        keep_io_types: an fp32 interface: floating inputs the example gave in bf16/fp16 are taken
+            in fp32 and cast inside the graph, and bf16/fp16 floating outputs are returned in fp32
+            (values equal eager autocast's outputs ``.float()``).
 
     Returns:
         An :class:`AmpModule`: a GraphModule with the casts in its code, sharing the model's
@@ -65,7 +69,10 @@ def convert(
     >>> assert torch.equal(amp(x), expected)
     """
     args, kwargs = check_inputs(model, args, kwargs, "graphamp.convert")
-    spec = AmpSpec.resolve(model, (args, kwargs), dtype=dtype, device_type=device_type, mode=mode, inference=inference, config=config)
+    spec = AmpSpec.resolve(
+        model, (args, kwargs), dtype=dtype, device_type=device_type, mode=mode, inference=inference, config=config,
+        keep_io_types=keep_io_types,
+    )
     return _convert(model, args, kwargs, spec)
 
 
@@ -94,7 +101,15 @@ def _convert(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, chec
     report where it differs).
     """
     with autocast_off():
+        gm = _rewrite(model, args, kwargs, spec, check=check)
+        return emit(gm, model, spec, example=(args, kwargs))
+
+
+def _rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> torch.fx.GraphModule:
+    """Capture, observe eager and run the passes: the rewritten graph, before emit (graphamp.export
+    hands it to torch.export instead)."""
+    with autocast_off():
         gm = capture(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype)
         observe_eager(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype)
         run_passes(gm, spec, build_pipeline(spec, check=check))
-        return emit(gm, model, spec, example=(args, kwargs))
+        return gm

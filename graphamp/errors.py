@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError", "DeviceMismatchError", "EagerPathWarning"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "ExportError", "ScriptCaptureError"]
 
 
 class GraphampError(Exception):
@@ -16,6 +16,14 @@ class CaptureError(GraphampError, RuntimeError):
 class UnsupportedFunctionError(CaptureError):
     """A custom ``torch.autograd.Function`` in the model cannot be kept whole with its own backward
     (its forward does not run on fake tensors, or it hides tensors from graphamp)."""
+
+
+class ScriptCaptureError(CaptureError):
+    """A ``torch.jit.ScriptModule`` could not be traced into a graph (TorchScript control flow on values, ...)."""
+
+
+class ExportError(GraphampError, RuntimeError):
+    """The converted graph cannot become an ExportedProgram that runs without graphamp."""
 
 
 class BannedOpError(GraphampError, RuntimeError):

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 MODES = ("exact",)
-TARGETS = ("module", "aot")
+TARGETS = ("module", "aot", "export")
 
 # The one table of dtype spellings every frontend and the CLI accept.
 DTYPE_ALIASES = {
@@ -141,8 +141,11 @@ class AmpSpec:
     # Op overrides and modules kept in fp32.
     config: Config = dataclasses.field(default_factory=Config)
     # What the graph becomes: "module", an AmpModule run as it is (weight cache, frozen weights,
-    # kernel paths eager takes); "aot", a graph handed to AOTAutograd by the torch.compile backend.
+    # kernel paths eager takes); "aot", a graph handed to AOTAutograd by the torch.compile backend;
+    # "export", a graph for torch.export (graphamp.export): frozen weights, no graphamp call in it.
     target: str = "module"
+    # Floating inputs are taken in fp32 and low-precision floating outputs returned in fp32.
+    keep_io_types: bool = False
 
     @classmethod
     def resolve(
@@ -156,16 +159,25 @@ class AmpSpec:
         inference: bool = False,
         config: Config | None = None,
         check_devices: bool = True,
+        keep_io_types: bool = False,
+        target: str = "module",
     ) -> AmpSpec:
         """Validate the arguments every frontend shares, with the errors they document."""
         if not isinstance(inference, bool):
             raise TypeError(f"inference must be True or False, got {type(inference).__name__}")
+        if not isinstance(keep_io_types, bool):
+            raise TypeError(
+                f"keep_io_types must be True or False, got {type(keep_io_types).__name__}; True takes floating "
+                "inputs in fp32 and returns low-precision floating outputs in fp32"
+            )
+        if target not in TARGETS:
+            raise ValueError(f"target={target!r} is not one of {TARGETS}")
         mode = check_mode(mode)
         config = check_config(config)
         device = resolve_device_type(device_type, model, inputs)
         if check_devices:
             check_device(device, model, inputs)
-        return cls(device, resolve_dtype(dtype, device), mode, inference, config)
+        return cls(device, resolve_dtype(dtype, device), mode, inference, config, target, keep_io_types)
 
     @property
     def policy(self) -> Policy:

@@ -31,7 +31,8 @@ class BackendOptions:
     dtype: torch.dtype | str | None = None
     # "cpu" or "cuda"; None: the device of the graph's floating-point inputs.
     device_type: str | None = None
-    # graphamp's mode: "exact" reproduces eager autocast's dtypes bit for bit.
+    # graphamp's mode: "exact" reproduces eager autocast's dtypes bit for bit; "autotune" raises to
+    # fp32 the low-precision ops that measure faster in fp32 on this machine.
     mode: str = "exact"
     # A graphamp.Config: op overrides and modules kept in fp32.
     config: Config | None = None
@@ -63,6 +64,8 @@ class BackendOptions:
             raise OptionError(f"option inner={opts.inner!r} is not an inner compiler; use one of {INNER_COMPILERS}")
         if opts.config is not None and not isinstance(opts.config, Config):
             raise OptionError(f"option config must be a graphamp.Config, got {type(opts.config).__name__}")
+        if opts.config is not None and opts.config.plan is not None and opts.mode != "autotune":
+            raise OptionError("option config holds an autotune plan (Config.plan); pass it with option mode='autotune'")
         if opts.device_type is not None and opts.device_type not in DEVICE_TYPES:
             raise OptionError(f"option device_type={opts.device_type!r} is not supported; use one of {DEVICE_TYPES}")
         if opts.dtype is not None:

@@ -29,12 +29,17 @@ def main(args: argparse.Namespace) -> int:
     from graphamp import bench
 
     rows = bench.run(args.model, task=args.task, dtype=args.dtype, variants=args.variants, rounds=args.rounds)
+    from graphamp.hardware import capability
+
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     print(f"graphamp bench: task={args.task} dtype={args.dtype} ({machine})")
+    print(f"capability: {capability('cpu').line()}")
+    if torch.cuda.is_available():
+        print(f"capability: {capability('cuda').line()}")
     print(bench.table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "rows": bench.to_json(rows)}, f, indent=2)
+            json.dump({"machine": machine, "capability": capability("cpu").line(), "rows": bench.to_json(rows)}, f, indent=2)
     if args.csv:
         data = bench.to_json(rows)
         with open(args.csv, "w", newline="") as f:

@@ -16,6 +16,7 @@ from graphamp.passes.fold_casts import fold_casts
 from graphamp.passes.follow_eager_attention import follow_eager_attention
 from graphamp.passes.inline_regions import inline_regions
 from graphamp.passes.insert_casts import insert_casts
+from graphamp.passes.keep_io_types import keep_io_types
 from graphamp.passes.strip_asserts import strip_asserts
 from graphamp.spec import AmpSpec
 
@@ -28,6 +29,7 @@ __all__ = [
     "follow_eager_attention",
     "inline_regions",
     "insert_casts",
+    "keep_io_types",
     "record_dtypes",
     "strip_asserts",
     "Pass",
@@ -51,6 +53,8 @@ def build_pipeline(spec: AmpSpec, *, check: bool | None = None) -> list[Pass]:
 
     >>> spec = AmpSpec("cpu", torch.bfloat16, inference=True)
     >>> assert [p.name for p in build_pipeline(spec)][-2:] == ["freeze_weights", "cache_weights"]
+    >>> spec = AmpSpec("cpu", torch.bfloat16, inference=True, target="export", keep_io_types=True)
+    >>> assert [p.name for p in build_pipeline(spec)][-2:] == ["keep_io_types", "freeze_weights"]
     """
     steps = [
         Pass("record_dtypes", record_dtypes),
@@ -63,11 +67,14 @@ def build_pipeline(spec: AmpSpec, *, check: bool | None = None) -> list[Pass]:
     ]
     if spec.check if check is None else check:
         steps.append(Pass("check_dtypes", check_dtypes))
-    if spec.target == "module":
+    if spec.keep_io_types:
+        steps.append(Pass("keep_io_types", keep_io_types))
+    if spec.target in ("module", "export"):
         # AOTAutograd and inductor take the casts as they are (freezing folds them there).
         if spec.inference:
             steps.append(Pass("freeze_weights", freeze_weights))
-        steps.append(Pass("cache_weights", cache_weights))
+        if spec.target == "module":
+            steps.append(Pass("cache_weights", cache_weights))
     return steps
 
 

@@ -1,0 +1,148 @@
+"""``graphamp.export``: mixed precision as a ``torch.export.ExportedProgram`` that needs no graphamp.
+
+Deployment's classic recipe, ``model.half()`` with half inputs, also runs norms, softmax and
+reductions in half, and ``torch.autocast`` itself does not export cleanly. graphamp already holds
+an explicit-cast graph equal to autocast: this module runs the inference pipeline on it (weights
+used only in low precision frozen low, casts shared) and hands the graph to ``torch.export``. The
+program holds plain ATen ops, no autocast region and no graphamp function, so ``torch.export.load``
+runs it in a process without graphamp, and AOTInductor (``torch._inductor.aoti_compile_and_package``)
+compiles it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch import nn
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from graphamp.capture import _dynamic_shapes
+from graphamp.config import Config
+from graphamp.convert import _rewrite, check_inputs
+from graphamp.errors import ExportError
+from graphamp.runtime import set_grad_enabled
+from graphamp.spec import AmpSpec, autocast_off
+
+__all__ = ["export", "check_portable"]
+
+_LOW = (torch.float16, torch.bfloat16)
+_AUTOCAST_HOPS = (torch.ops.higher_order.wrap_with_autocast,)
+
+
+def export(
+    model: nn.Module,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device_type: str | None = None,
+    config: Config | None = None,
+    keep_io_types: bool = False,
+    dynamic: bool = True,
+) -> torch.export.ExportedProgram:
+    """Export ``model`` in mixed precision: an ExportedProgram equal to eager autocast, no graphamp needed.
+
+    Inference semantics (as ``graphamp.convert(..., inference=True)``): every weight used only in
+    low precision is stored in low precision, so the program's state is about half of fp32's;
+    weights autocast runs in fp32 (norms, embeddings) stay fp32. On CPU the program's outputs are
+    bitwise equal to the model's under ``torch.autocast``.
+
+    Args:
+        model: the module to export (an ``nn.Module`` or a ``torch.jit.ScriptModule``); not modified.
+        args, kwargs: example inputs, as for ``torch.export.export``.
+        dtype: ``torch.bfloat16`` or ``torch.float16``; None takes autocast's default for the device.
+        device_type: "cpu" or "cuda"; None takes the device of the model's parameters.
+        config: a :class:`graphamp.Config` with op overrides and modules kept in fp32.
+        keep_io_types: an fp32 interface: floating inputs given in bf16/fp16 are taken in fp32 and
+            cast inside, and bf16/fp16 floating outputs are returned in fp32.
+        dynamic: every input dim may vary where the model allows (``Dim.AUTO``); False fixes
+            every size to the example's.
+
+    Raises:
+        graphamp.CaptureError: the model cannot be captured as one graph (data-dependent control flow).
+        graphamp.ExportError: the graph would need graphamp at run time (a custom
+            ``autograd.Function`` graphamp keeps whole).
+
+    >>> import graphamp
+    >>> model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4), nn.LayerNorm(4))
+    >>> x = torch.randn(8, 16)
+    >>> ep = graphamp.export(model, (x,), dtype=torch.float16)
+    >>> with torch.autocast("cpu", dtype=torch.float16):
+    ...     expected = model(x)
+    >>> assert torch.equal(ep.module()(x), expected)
+    >>> assert ep.state_dict["0.weight"].dtype is torch.float16   # stored low
+    >>> assert graphamp.export(model, (x,), keep_io_types=True).module()(x).dtype is torch.float32
+    """
+    args, kwargs = check_inputs(model, args, kwargs, "graphamp.export")
+    if not isinstance(dynamic, bool):
+        raise TypeError(f"dynamic must be True or False, got {type(dynamic).__name__}")
+    spec = AmpSpec.resolve(
+        model, (args, kwargs), dtype=dtype, device_type=device_type, inference=True, config=config,
+        keep_io_types=keep_io_types, target="export",
+    )
+    gm = _rewrite(model, args, kwargs, spec)
+    # graphamp's grad-mode switches are traced through by torch.export; a kept Function is not.
+    check_portable(gm, stage="the converted graph", allow=(set_grad_enabled,))
+    # Weak references to the model's parameters (for AmpModule.refresh) have no place in a program.
+    gm.meta.pop("graphamp_frozen", None)
+    if keep_io_types:
+        args, kwargs = pytree.tree_map_only(torch.Tensor, _as_fp32, (args, kwargs))
+    with autocast_off(), fx_config.patch(backed_size_oblivious=True), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*were assigned during export.*")
+        try:
+            ep = torch.export.export(
+                gm, args, kwargs, dynamic_shapes=_dynamic_shapes(gm, args, kwargs) if dynamic else None, strict=False,
+            )
+        except Exception as e:
+            raise ExportError(
+                f"torch.export could not export the mixed-precision graph of {type(model).__name__}: "
+                f"{f'{type(e).__name__}: {e}'.strip().splitlines()[0][:300]}. Way out: graphamp.convert(model, "
+                "args, inference=True) gives the same graph as a module; try dynamic=False if sizes are the problem."
+            ) from e
+    check_portable(ep.graph_module, stage="the exported program")
+    return ep
+
+
+def _as_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in _LOW else t
+
+
+def check_portable(gm: GraphModule, *, stage: str = "the graph", allow: tuple = ()) -> None:
+    """Raise ExportError if ``gm`` (or a subgraph) calls graphamp or holds an autocast region.
+
+    A program that names graphamp does not load where graphamp is not installed, and an autocast
+    region would apply the policy a second time, or be dropped by exporters that inline it.
+
+    >>> gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    >>> check_portable(gm)
+    """
+    for module in gm.modules():
+        if not isinstance(module, GraphModule):
+            continue
+        for node in module.graph.nodes:
+            target = node.target
+            if node.op == "call_function" and target in _AUTOCAST_HOPS:
+                raise ExportError(
+                    f"{stage} still holds an autocast region ({node.format_node()}), which exporters "
+                    "drop or reject. Way out: report it to graphamp with the model; graphamp.convert(model, "
+                    "args, inference=True) runs it as a module meanwhile."
+                )
+            if node.op == "call_function" and getattr(target, "__module__", "").startswith("graphamp") and target not in allow:
+                what = getattr(target, "__qualname__", str(target))
+                hint = (
+                    "a custom torch.autograd.Function, which graphamp keeps whole and applies at run "
+                    "time. Way out: make the Function's forward plain tensor code called directly "
+                    "(inference needs no custom backward), or deploy graphamp.convert(model, args, "
+                    "inference=True) with graphamp installed"
+                    if what == "apply_function" else
+                    "graphamp's runtime. Way out: deploy graphamp.convert(model, args, inference=True) "
+                    "with graphamp installed"
+                )
+                raise ExportError(
+                    f"{stage} calls graphamp.{getattr(target, '__module__', '').removeprefix('graphamp.')}.{what} "
+                    f"at node {node.name!r}, so it would not load without graphamp: it comes from {hint}."
+                )

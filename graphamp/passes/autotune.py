@@ -1,0 +1,500 @@
+"""Raise to fp32 each low-precision op that measures faster in fp32 here (``mode="autotune"``).
+
+Low precision is only faster where the hardware computes it natively. This pass starts from
+autocast's program (insert_casts, dedupe_casts and fold_casts have run) and, for every op autocast
+runs in the low dtype, times on this machine and at the example's shapes the op plus the casts its
+choice implies, in the low dtype against fp32:
+
+* low: the casts of its fp32 inputs down (a weight frozen at conversion is free), then the op;
+* fp32: the casts of its low inputs up (those of an op already raised are not needed), then the op.
+
+It keeps the low dtype only when that is faster by ``margin``; otherwise fp32, which is at least as
+accurate. It decides in graph order, so each op sees what the ops before it became. It only ever
+raises precision: ops autocast runs in fp32 stay fp32. The raised ops are then rewritten as if
+autocast listed them fp32 (insert_casts' own rules), and the cast passes tidy up.
+
+Each op signature (op, shapes, strides, dtypes, other arguments, machine) is timed once: results are
+kept in a :class:`MeasurementCache` (this process, and a JSON file under ``$GRAPHAMP_CACHE_DIR`` or
+``~/.cache/graphamp``). Measuring stops once ``budget_s`` is spent; ops left unmeasured keep
+autocast's dtype and the plan counts them. ``Config(plan=...)`` replays a plan without measuring.
+Timing is device-agnostic: on CUDA the default timer synchronizes the device around each call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
+
+from graphamp import hardware
+from graphamp.passes.dedupe_casts import dedupe_casts
+from graphamp.passes.fold_casts import fold_casts
+from graphamp.passes.graph_edit import CAST_TARGET, attr_of, cast_source, is_graphamp_cast, tensor_dtype
+from graphamp.passes.insert_casts import _cast_slots, _Rewriter
+from graphamp.passes.node_info import info, peek
+from graphamp.plan import AutotunePlan, fingerprint
+from graphamp.policy import Category, op_key, short_dtype
+from graphamp.runtime import autocast_cached
+
+if TYPE_CHECKING:
+    from graphamp.spec import AmpSpec
+
+__all__ = ["MeasurementCache", "PLAN_META", "Trial", "autotune", "measuring", "wall_timer"]
+
+PLAN_META = "graphamp_autotune_plan"  # gm.meta key (the module's, not a node's) holding the plan
+_log = logging.getLogger("graphamp")
+
+
+class Trial(NamedTuple):
+    """What one timing runs: ``op`` computing in ``dtype`` on inputs of ``shapes``, casts included."""
+
+    op: str
+    dtype: torch.dtype
+    shapes: tuple[tuple[int, ...], ...]
+    device: torch.device
+
+
+# A timer takes a zero-argument callable and its trial, and returns seconds per call.
+Timer = Callable[[Callable[[], Any], Trial], float]
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cpu":
+        return lambda: None
+    module = getattr(torch, device.type, None)
+    sync = getattr(module, "synchronize", None)
+    return (lambda: sync(device)) if sync is not None else (lambda: None)
+
+
+def wall_timer(fn: Callable[[], Any], trial: Trial) -> float:
+    """Median seconds per call of ``fn`` after one warm-up call: at least 3 calls, more while
+    under 30 ms in total (at most 25); the device is synchronized after each call.
+
+    >>> t = wall_timer(lambda: torch.ones(8) * 2, Trial("mul", torch.float32, ((8,),), torch.device("cpu")))
+    >>> assert 0 < t < 1
+    """
+    sync = _synchronizer(trial.device)
+    fn()
+    sync()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (len(times) < 25 and time.perf_counter() - start < 0.03):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _default_cache_path() -> str:
+    root = os.environ.get("GRAPHAMP_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "graphamp"
+    )
+    return os.path.join(root, "autotune-v1.json")
+
+
+class MeasurementCache:
+    """Measured (low s, fp32 s) per op signature and machine; with a ``path``, also kept on disk.
+
+    >>> cache = MeasurementCache()
+    >>> cache.put("linear|...", (1e-3, 2e-3))
+    >>> assert cache.get("linear|...") == (1e-3, 2e-3) and cache.get("other") is None
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = os.fspath(path) if path is not None else None
+        self._entries: dict[str, tuple[float, float]] | None = None
+        self._lock = threading.Lock()
+
+    def _load(self) -> dict[str, tuple[float, float]]:
+        if self._entries is None:
+            entries = {}
+            if self.path is not None:
+                try:
+                    with open(self.path) as f:
+                        entries = {k: (float(v[0]), float(v[1])) for k, v in json.load(f).items()}
+                except (OSError, ValueError, TypeError, IndexError):
+                    entries = {}  # a missing or damaged cache only costs a new measurement
+            self._entries = entries
+        return self._entries
+
+    def get(self, key: str) -> tuple[float, float] | None:
+        with self._lock:
+            return self._load().get(key)
+
+    def put(self, key: str, times: tuple[float, float]) -> None:
+        with self._lock:
+            self._load()[key] = times
+
+    def save(self) -> None:
+        """Write the entries to ``path`` (atomically; a failure to write is logged, not raised)."""
+        if self.path is None:
+            return
+        with self._lock:
+            entries = dict(self._load())
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            _log.info("graphamp autotune: could not save the measurement cache to %s: %s", self.path, e)
+
+
+_DEFAULT_CACHE: list[MeasurementCache] = []
+
+
+def _default_cache() -> MeasurementCache:
+    if not _DEFAULT_CACHE:
+        _DEFAULT_CACHE.append(MeasurementCache(_default_cache_path()))
+    return _DEFAULT_CACHE[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    timer: Timer = wall_timer
+    cache: MeasurementCache | None = None
+    budget_s: float = 3.0
+    margin: float = 0.03
+
+
+_SETTINGS: contextvars.ContextVar[_Settings] = contextvars.ContextVar("graphamp_autotune", default=_Settings())
+
+
+@contextlib.contextmanager
+def measuring(
+    *, timer: Timer | None = None, cache: MeasurementCache | None = None, budget_s: float | None = None, margin: float | None = None
+) -> Iterator[None]:
+    """How autotune conversions in this block measure: ``timer(fn, trial) -> seconds per call``,
+    the ``cache`` of measurements, the ``budget_s`` of measuring per conversion, and the ``margin``
+    by which low precision must be faster to be kept.
+
+    >>> import graphamp
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    >>> fp32_faster = lambda fn, trial: 2.0 if trial.dtype is torch.bfloat16 else 1.0
+    >>> with measuring(timer=fp32_faster, cache=MeasurementCache()):
+    ...     amp = graphamp.convert(model, (torch.randn(4, 8),), mode="autotune")
+    >>> assert AutotunePlan.of(amp).raised == ("linear",) and amp(torch.randn(4, 8)).dtype is torch.float32
+    """
+    current = _SETTINGS.get()
+    if budget_s is not None and not budget_s >= 0:
+        raise ValueError(f"budget_s must be a non-negative number of seconds, got {budget_s!r}")
+    if margin is not None and not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+    token = _SETTINGS.set(
+        dataclasses.replace(
+            current,
+            timer=timer or current.timer,
+            cache=cache if cache is not None else current.cache,
+            budget_s=current.budget_s if budget_s is None else float(budget_s),
+            margin=current.margin if margin is None else float(margin),
+        )
+    )
+    try:
+        yield
+    finally:
+        _SETTINGS.reset(token)
+
+
+def _hint(d: int | torch.SymInt) -> int:
+    if isinstance(d, torch.SymInt):
+        hint = d.node.hint
+        if hint is None:
+            raise ValueError(f"size {d} has no example value")
+        return int(hint)
+    return int(d)
+
+
+def _dim(d: int | torch.SymInt) -> str:
+    if isinstance(d, torch.SymInt):
+        expr = d.node.expr
+        return str(int(expr)) if expr.is_number else "?"
+    return str(d)
+
+
+def _sizes(val: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    shape = tuple(_hint(d) for d in val.shape)
+    try:
+        stride = tuple(_hint(s) for s in val.stride())
+    except (ValueError, RuntimeError):
+        stride = tuple(torch.empty(shape, device="meta").stride())
+    return shape, stride
+
+
+def _example(val: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A real tensor with ``val``'s sizes, strides and device (and ``dtype``), of random values."""
+    shape, stride = _sizes(val)
+    dtype = dtype or val.dtype
+    numel = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
+    if dtype.is_floating_point:
+        base = torch.randn(numel, device=val.device).to(dtype)
+    elif dtype is torch.bool:
+        base = torch.ones(numel, dtype=dtype, device=val.device)
+    else:
+        base = torch.zeros(numel, dtype=dtype, device=val.device)
+    return base.as_strided(shape, stride)
+
+
+def _fp32_source(node: Node) -> Node | None:
+    """The fp32 value ``node`` casts down, if ``node`` is one of graphamp's casts of one."""
+    if not isinstance(node, Node) or not is_graphamp_cast(node):
+        return None
+    if node.target is autocast_cached:
+        src = node.args[0]
+    else:
+        found = cast_source(node)
+        if found is None:
+            return None
+        src = found[0]
+    return src if tensor_dtype(src) is torch.float32 else None
+
+
+def _raised_origin(node: Node, raised: set[Node]) -> bool:
+    """Whether ``node`` (through views and casts) is the output of an op this pass raised."""
+    seen = 0
+    while isinstance(node, Node) and seen < 8:
+        if node in raised:
+            return True
+        if node.op != "call_function" or len(node.all_input_nodes) != 1:
+            return False
+        node = node.all_input_nodes[0]
+        seen += 1
+    return False
+
+
+class _Candidate:
+    """One op autocast runs in the low dtype, with what timing it needs."""
+
+    def __init__(self, gm: GraphModule, node: Node, spec: AmpSpec) -> None:
+        self.node = node
+        self.op = op_key(node.target)
+        self.low: torch.dtype = peek(node).dtype
+        # Sizes export kept symbolic print as "?": their symbols' names are not stable across captures.
+        shapes = [tuple(_dim(d) for d in v.meta["val"].shape) for v in node.all_input_nodes if isinstance(v.meta.get("val"), torch.Tensor)]
+        self.signature = (node.name, self.op, ";".join("x".join(s) for s in shapes))
+        self.gm, self.spec = gm, spec
+
+    def _free_weight(self, src: Node) -> bool:
+        # inference=True freezes a parameter used only in low precision: its cast happens once, now.
+        return self.spec.inference and src.op == "get_attr" and isinstance(attr_of(self.gm, src.target), nn.Parameter)
+
+    def build(self, raised: set[Node]) -> tuple[str, Callable[[], Any], Callable[[], Any], Trial, Trial]:
+        """The cache key and the low and fp32 callables of this op, with their trials."""
+        node, low = self.node, self.low
+        prep_low: list[Callable[[], Any]] = []
+        prep_fp32: list[Callable[[], Any]] = []
+        key: list[str] = []
+        made: dict[Node, tuple[Callable[[], Any], Callable[[], Any]]] = {}
+
+        def leaf(arg: Node) -> tuple[Callable[[], Any], Callable[[], Any]]:
+            if arg in made:
+                return made[arg]
+            val = arg.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                made[arg] = (lambda v=val: v, lambda v=val: v)
+                key.append(repr(val))
+                return made[arg]
+            shape, stride = _sizes(val)
+            src = _fp32_source(arg)
+            if val.dtype is low and src is not None:
+                x32 = _example(val, torch.float32).contiguous()
+                if self._free_weight(src):
+                    x = x32.to(low)
+                    pair = (lambda x=x: x, lambda x=x32: x)
+                    kind = "frozen"
+                else:
+                    pair = (lambda x=x32: torch.ops.aten._to_copy.default(x, dtype=low), lambda x=x32: x)
+                    kind = "fp32-cast"
+            elif val.dtype is low:
+                x = _example(val)
+                if _raised_origin(arg, raised):
+                    x32 = x.float()
+                    pair = (lambda x=x32: torch.ops.aten._to_copy.default(x, dtype=low), lambda x=x32: x)
+                    kind = "raised-cast"
+                else:
+                    pair = (lambda x=x: x, lambda x=x: torch.ops.aten._to_copy.default(x, dtype=torch.float32))
+                    kind = "low"
+            else:
+                x = _example(val)
+                pair = (lambda x=x: x, lambda x=x: x)
+                kind = "other"
+            key.append(f"{short_dtype(val.dtype)}{list(shape)}{list(stride)}:{kind}")
+            made[arg] = pair
+            return pair
+
+        def bind(variant: int) -> Callable[[], Any]:
+            args = torch.fx.node.map_arg(node.args, lambda a: leaf(a)[variant])
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: leaf(a)[variant])
+            target = node.target
+
+            def resolve(x: Any) -> Any:
+                if callable(x) and not isinstance(x, (torch.dtype, torch.device)):
+                    return x()
+                if isinstance(x, (list, tuple)):
+                    return type(x)(resolve(y) for y in x)
+                return x
+
+            def run() -> Any:
+                return target(*resolve(args), **{k: resolve(v) for k, v in kwargs.items()})
+
+            return run
+
+        run_low, run_fp32 = bind(0), bind(1)
+        constants = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: None)
+        shapes = tuple(_sizes(v.meta["val"])[0] for v in node.all_input_nodes if isinstance(v.meta.get("val"), torch.Tensor))
+        device = next((v.meta["val"].device for v in node.all_input_nodes if isinstance(v.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+        full_key = f"{self.op}|{short_dtype(low)}|{'|'.join(key)}|{constants!r}"
+        return full_key, run_low, run_fp32, Trial(self.op, low, shapes, device), Trial(self.op, torch.float32, shapes, device)
+
+
+def _candidates(gm: GraphModule, spec: AmpSpec) -> list[_Candidate]:
+    found = []
+    for node in gm.graph.nodes:
+        record = peek(node)
+        if (
+            node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload)
+            and record is not None
+            and record.category == Category.LOWER_PRECISION_FP.value
+            and record.dtype in (torch.bfloat16, torch.float16)
+        ):
+            found.append(_Candidate(gm, node, spec))
+    return found
+
+
+class _RaiseRewriter(_Rewriter):
+    """insert_casts' rules, with the raised ops listed fp32."""
+
+    def __init__(self, gm: GraphModule, spec: AmpSpec, raised: dict[Node, str]) -> None:
+        super().__init__(gm, spec.policy, spec.config, kernel_paths=spec.target == "module")
+        self.raised = raised
+
+    def category_of(self, node: Node) -> tuple[Category | None, torch.dtype, str]:
+        why = self.raised.get(node)
+        if why is not None:
+            return Category.FP32, self.policy.dtype, why
+        return super().category_of(node)
+
+    def apply_policy(self, node: Node) -> bool:
+        # A raised op's inputs were swapped for their fp32 sources: its value must be re-derived.
+        return super().apply_policy(node) or node in self.raised
+
+
+def _raise(gm: GraphModule, spec: AmpSpec, raised: dict[Node, str]) -> None:
+    """Rewrite the graph so the ``raised`` ops compute in fp32 (their fp32 inputs uncast)."""
+    for node in raised:
+        for where, index, src in _cast_slots(node):
+            origin = _fp32_source(src)
+            if origin is not None:
+                node.replace_input_with(src, origin)
+    for node in reversed(list(gm.graph.nodes)):
+        if is_graphamp_cast(node) and not node.users:
+            gm.graph.erase_node(node)
+    _RaiseRewriter(gm, spec, raised).run()
+    gm.graph.lint()
+    gm.recompile()
+    dedupe_casts(gm, spec)
+    fold_casts(gm, spec)
+
+
+def autotune(gm: GraphModule, spec: AmpSpec) -> PassResult:
+    """Raise to fp32 the low-precision ops that measure faster in fp32 (or that ``Config.plan`` raised)."""
+    candidates = _candidates(gm, spec)
+    ops = {c.node.name: f"{c.op} {c.signature[2]}" for c in candidates}
+    model = fingerprint([c.signature for c in candidates])
+    plan = spec.config.plan
+    if plan is not None:
+        plan.check(spec.device_type, spec.dtype, model, ops)
+        raised = {c.node: f"fp32 (autotune plan: {_plan_reason(plan, c.node.name)})" for c in candidates if plan.decisions[c.node.name] is torch.float32}
+        for c in candidates:
+            dtype = plan.decisions[c.node.name]
+            info(c.node).notes["autotune"] = {"chosen": short_dtype(dtype), "source": "plan", **_times_note(plan.times_ms.get(c.node.name))}
+        new_plan = plan
+    else:
+        new_plan, raised = _measure(gm, spec, candidates, model, ops)
+    gm.meta[PLAN_META] = new_plan
+    if raised:
+        reasons = {n: info(n).reason for n in raised}
+        notes = {n: dict(info(n).notes) for n in raised}
+        _raise(gm, spec, raised)
+        for n in raised:  # keep the autotune record through the rewrite's fresh policy pass
+            info(n).reason = raised[n]
+            info(n).notes.update(notes[n])
+            info(n).notes["autotune"]["autocast"] = reasons[n]
+    return PassResult(gm, bool(raised))
+
+
+def _plan_reason(plan: AutotunePlan, name: str) -> str:
+    times = plan.times_ms.get(name)
+    return f"measured {times[1]:.3g} ms fp32 vs {times[0]:.3g} ms {short_dtype(plan.dtype)}" if times else "replayed"
+
+
+def _times_note(times: tuple[float, float] | None) -> dict[str, float]:
+    return {"low_ms": times[0], "fp32_ms": times[1]} if times else {}
+
+
+def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model: str, ops: dict[str, str]) -> tuple[AutotunePlan, dict[Node, str]]:
+    settings = _SETTINGS.get()
+    cache = settings.cache if settings.cache is not None else _default_cache()
+    machine = hardware.capability(spec.device_type).key()
+    start = time.perf_counter()
+    raised: dict[Node, str] = {}
+    decisions: dict[str, torch.dtype] = {}
+    times_ms: dict[str, tuple[float, float]] = {}
+    measured = cached = unmeasured = 0
+    timed_now: set[str] = set()
+    with torch.no_grad():
+        for c in candidates:
+            name, low = c.node.name, c.low
+            key, run_low, run_fp32, trial_low, trial_fp32 = c.build(set(raised))
+            key = f"{machine}|{key}"
+            times = cache.get(key)
+            source = "cache"
+            if times is None or key in timed_now:
+                if times is None and time.perf_counter() - start > settings.budget_s:
+                    decisions[name] = low
+                    unmeasured += 1
+                    info(c.node).notes["autotune"] = {"chosen": short_dtype(low), "source": f"not measured: the budget of {settings.budget_s:g} s was spent"}
+                    continue
+                if times is None:
+                    times = (float(settings.timer(run_low, trial_low)), float(settings.timer(run_fp32, trial_fp32)))
+                    cache.put(key, times)
+                    timed_now.add(key)
+                    measured += 1
+                source = "measured"
+            else:
+                cached += 1
+            t_low, t_fp32 = times
+            keep_low = t_low <= (1 - settings.margin) * t_fp32
+            decisions[name] = low if keep_low else torch.float32
+            times_ms[name] = (t_low * 1e3, t_fp32 * 1e3)
+            info(c.node).notes["autotune"] = {"chosen": short_dtype(decisions[name]), "source": source, **_times_note(times_ms[name])}
+            if not keep_low:
+                raised[c.node] = (
+                    f"fp32 (autotune: {t_fp32 * 1e3:.3g} ms in fp32 vs {t_low * 1e3:.3g} ms in {short_dtype(low)}, "
+                    f"casts included, {source})"
+                )
+    spent = time.perf_counter() - start
+    if measured:
+        cache.save()
+    plan = AutotunePlan(
+        spec.device_type, spec.dtype, model, decisions, times_ms, ops, machine=machine, measure_s=spent,
+        measured=measured, cached=cached, unmeasured=unmeasured,
+    )
+    _log.info("graphamp %s", plan.summary())
+    return plan, raised

@@ -1,0 +1,276 @@
+"""mode="autotune": decisions under a fake timer (no test reads the clock), plans, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import graphamp
+from graphamp.passes.autotune import MeasurementCache, Trial, measuring
+from graphamp.passes.node_info import peek
+from graphamp.testing import zoo
+
+BF16 = torch.bfloat16
+
+
+class FakeTimer:
+    """Seconds per call from a rule on the trial; counts its calls, never runs ``fn``."""
+
+    def __init__(self, rule):
+        self.rule = rule
+        self.trials: list[Trial] = []
+
+    def __call__(self, fn, trial: Trial) -> float:
+        self.trials.append(trial)
+        return self.rule(trial)
+
+
+def low_faster(trial: Trial) -> float:
+    return 1.0 if trial.dtype is not torch.float32 else 2.0
+
+
+def fp32_faster(trial: Trial) -> float:
+    return 2.0 if trial.dtype is not torch.float32 else 1.0
+
+
+def by_width(trial: Trial) -> float:
+    # Low precision pays off on the wide first layer only (weight (16, 8)); fp32 wins on the narrow one.
+    wide = any(s == (16, 8) for s in trial.shapes)
+    if trial.dtype is torch.float32:
+        return 2.0 if wide else 1.0
+    return 1.0 if wide else 2.0
+
+
+def autotuned(model, args, timer, *, cache=None, **kw):
+    with measuring(timer=timer, cache=cache or MeasurementCache()):
+        return graphamp.convert(model, args, mode="autotune", **kw)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), (torch.randn(4, 8),)
+
+
+def node_dtypes(amp):
+    return {n.name: peek(n).dtype for n in amp.graph.nodes if peek(n) is not None and peek(n).category}
+
+
+def test_plan_picks_the_faster_dtype_per_op():
+    model, (x,) = mlp()
+    amp = autotuned(model, (x,), FakeTimer(by_width))
+    plan = graphamp.AutotunePlan.of(amp)
+    assert dict(plan.decisions) == {"linear": BF16, "linear_1": torch.float32}
+    assert plan.times_ms["linear_1"] == (2000.0, 1000.0)
+    note = peek(amp.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)[1]).notes["autotune"]
+    assert note["chosen"] == "fp32" and note["source"] == "measured" and "cpu list" in note["autocast"]
+    # The first linear runs as autocast runs it; the second takes its bf16 input, cast up exactly, in fp32.
+    with torch.autocast("cpu", dtype=BF16):
+        hidden = model[1](model[0](x))
+    want = F.linear(hidden.float(), model[2].weight, model[2].bias)
+    got = amp(x)
+    assert got.dtype is torch.float32 and torch.equal(got, want)
+
+
+def test_fp32_everywhere_converges_to_fp32_bitwise():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8)).eval()
+    x = torch.randn(4, 8)
+    amp = autotuned(model, (x,), FakeTimer(fp32_faster), inference=True)
+    assert amp.cast_summary()["casts"] == 0 and "bfloat16" not in amp.code
+    assert torch.equal(amp(x), model(x))
+
+
+def test_low_everywhere_is_exact_mode():
+    model, (x,) = mlp()
+    amp = autotuned(model, (x,), FakeTimer(low_faster))
+    exact = graphamp.convert(model, (x,))
+    assert amp.code == exact.code and graphamp.AutotunePlan.of(amp).raised == ()
+    with torch.autocast("cpu", dtype=BF16):
+        assert torch.equal(amp(x), model(x))
+
+
+def test_never_lowers_precision_against_autocast():
+    # A model with an op autocast runs in fp32 (mse_loss) and a region autocast leaves alone.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, target):
+            with torch.autocast("cpu", enabled=False):
+                y = self.b(x)
+            return F.mse_loss(self.a(x), target) + y.sum()
+
+    torch.manual_seed(0)
+    model, args = Net(), (torch.randn(4, 8), torch.randn(4, 8))
+    exact = node_dtypes(graphamp.convert(model, args))
+    timer = FakeTimer(low_faster)
+    tuned = node_dtypes(autotuned(model, args, timer))
+    assert {t.op for t in timer.trials} == {"linear"} and len(timer.trials) == 2  # only self.a is a candidate
+    for name, dtype in exact.items():
+        assert tuned[name] == dtype
+    raised = node_dtypes(autotuned(model, args, FakeTimer(fp32_faster)))
+    for name, dtype in exact.items():
+        assert raised[name] in (dtype, torch.float32)
+        if dtype is torch.float32:
+            assert raised[name] is torch.float32
+
+
+def test_reproduces_from_a_saved_plan_without_measuring(tmp_path):
+    model, (x,) = mlp()
+    amp = autotuned(model, (x,), FakeTimer(by_width))
+    path = tmp_path / "plan.json"
+    graphamp.AutotunePlan.of(amp).save(path)
+    loaded = graphamp.AutotunePlan.load(path)
+    assert loaded == graphamp.AutotunePlan.of(amp)
+
+    def no_timing(fn, trial):
+        raise AssertionError("a replayed plan measured")
+
+    replay = autotuned(model, (x,), no_timing, cache=MeasurementCache(), config=graphamp.Config(plan=loaded))
+    assert replay.code == amp.code and torch.equal(replay(x), amp(x))
+    assert graphamp.AutotunePlan.of(replay) is loaded
+    assert {peek(n).notes["autotune"]["source"] for n in replay.graph.nodes if peek(n) and "autotune" in peek(n).notes} == {"plan"}
+    # Config also takes the plan's JSON data.
+    data = json.loads(path.read_text())
+    assert graphamp.Config(plan=data).plan == loaded
+
+
+def test_measurements_are_cached_per_signature():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)).eval()
+    x = torch.randn(4, 8)
+    cache, timer = MeasurementCache(), FakeTimer(fp32_faster)
+    first = autotuned(model, (x,), timer, cache=cache, inference=True)
+    # Three linears, one signature each: the first sees an fp32 input it casts; the next two
+    # take the fp32 output of a raised op. Each signature is timed once, low and fp32.
+    assert len(timer.trials) == 4
+    plan = graphamp.AutotunePlan.of(first)
+    assert (plan.measured, plan.cached, len(plan.raised)) == (2, 0, 3)
+    again = autotuned(model, (x,), timer, cache=cache, inference=True)
+    assert len(timer.trials) == 4 and graphamp.AutotunePlan.of(again).cached == 3
+    assert again.code == first.code
+
+
+def test_disk_cache_survives_a_new_cache_object(tmp_path):
+    model, (x,) = mlp()
+    path = tmp_path / "cache.json"
+    timer = FakeTimer(by_width)
+    autotuned(model, (x,), timer, cache=MeasurementCache(path))
+    count = len(timer.trials)
+    amp = autotuned(model, (x,), timer, cache=MeasurementCache(path))
+    assert len(timer.trials) == count and graphamp.AutotunePlan.of(amp).raised == ("linear_1",)
+
+
+def test_budget_spent_keeps_autocast_and_is_reported():
+    model, (x,) = mlp()
+    timer = FakeTimer(fp32_faster)
+    with measuring(timer=timer, cache=MeasurementCache(), budget_s=0):
+        amp = graphamp.convert(model, (x,), mode="autotune")
+    plan = graphamp.AutotunePlan.of(amp)
+    assert timer.trials == [] and plan.unmeasured == 2 and plan.raised == ()
+    assert "2 left as autocast for lack of budget" in plan.summary()
+    assert amp.code == graphamp.convert(model, (x,)).code
+
+
+class CountCasts(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.casts += func is torch.ops.aten._to_copy.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("inference, low_casts", [(False, 3), (True, 1)])
+def test_low_timing_includes_the_casts_it_implies(inference, low_casts):
+    torch.manual_seed(0)
+    model, x = nn.Linear(8, 8).eval(), torch.randn(4, 8)
+    counted = {}
+
+    def timer(fn, trial):
+        with CountCasts() as mode:
+            fn()
+        counted[trial.dtype] = mode.casts
+        return low_faster(trial)
+
+    autotuned(model, (x,), timer, inference=inference)
+    # Low: input, weight and bias cast down, unless inference froze the parameters at conversion.
+    assert counted == {BF16: low_casts, torch.float32: 0}
+
+
+def test_raising_inside_attention_keeps_the_graph_consistent():
+    case = zoo.transformer_encoder(d_model=32, layers=2, heads=4)
+    model = case.model.train()
+    args, kwargs = case.inputs
+    # Raise the projections, keep attention's matmuls low: every cast around them must be re-derived.
+    timer = FakeTimer(lambda t: (2.0 if t.dtype is not torch.float32 else 1.0) if t.op == "linear" else low_faster(t))
+    amp = autotuned(model, args, timer, kwargs=kwargs)
+    plan = graphamp.AutotunePlan.of(amp)
+    assert plan.raised and len(plan.raised) < len(plan.decisions)
+    out = amp(*args, **kwargs)
+    with torch.autocast("cpu", dtype=BF16):
+        ref = model(*args, **kwargs)
+    fp32 = model(*args, **kwargs)
+    assert out.dtype is torch.float32 and torch.isfinite(out).all()
+    assert (out - fp32).abs().max() <= (ref.float() - fp32).abs().max()
+    out.float().sum().backward()  # training still works through the rewritten graph
+
+
+def test_unknown_mode_is_a_value_error():
+    model, (x,) = mlp()
+    with pytest.raises(ValueError, match="mode='fast' is not supported.*'autotune'"):
+        graphamp.convert(model, (x,), mode="fast")
+
+
+def test_plan_from_another_model_is_refused():
+    model, (x,) = mlp()
+    plan = graphamp.AutotunePlan.of(autotuned(model, (x,), FakeTimer(by_width)))
+    other = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+    with pytest.raises(graphamp.PlanMismatchError, match="another model: it decides 2 low-precision ops, this model has 3.*op #1: this model has linear_1 = linear \\?x16;16x16;16"):
+        autotuned(other, (x,), FakeTimer(low_faster), config=graphamp.Config(plan=plan))
+    wider = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    with pytest.raises(graphamp.PlanMismatchError, match="first difference is op #0"):
+        autotuned(wider, (x,), FakeTimer(low_faster), config=graphamp.Config(plan=plan))
+
+
+def test_plan_for_another_dtype_is_refused():
+    model, (x,) = mlp()
+    plan = graphamp.AutotunePlan.of(autotuned(model, (x,), FakeTimer(by_width)))
+    with pytest.raises(graphamp.PlanMismatchError, match="made for cpu bfloat16, but this conversion is cpu float16"):
+        autotuned(model, (x,), FakeTimer(low_faster), config=graphamp.Config(plan=plan), dtype=torch.float16)
+
+
+def test_bad_plans_and_plan_without_autotune():
+    model, (x,) = mlp()
+    plan = graphamp.AutotunePlan.of(autotuned(model, (x,), FakeTimer(by_width)))
+    with pytest.raises(ValueError, match="pass mode='autotune'"):
+        graphamp.convert(model, (x,), config=graphamp.Config(plan=plan))
+    with pytest.raises(TypeError, match="Config.plan must be a graphamp.AutotunePlan"):
+        graphamp.Config(plan="plan.json")
+    with pytest.raises(ValueError, match="can only keep an op in torch.bfloat16 or raise it to float32"):
+        graphamp.AutotunePlan("cpu", BF16, plan.model, {"linear": torch.float16})
+    with pytest.raises(ValueError, match="not a graphamp autotune plan"):
+        graphamp.AutotunePlan.from_dict({"decisions": {}})
+    with pytest.raises(ValueError, match="no autotune plan"):
+        graphamp.AutotunePlan.of(graphamp.convert(model, (x,)))
+    with pytest.raises(graphamp.OptionError, match="mode='autotune'"):
+        from graphamp.backend.options import BackendOptions
+
+        BackendOptions.parse({"config": graphamp.Config(plan=plan)})
+
+
+def test_backend_option_mode_autotune():
+    torch._dynamo.reset()
+    model, (x,) = mlp()
+    with measuring(timer=FakeTimer(fp32_faster), cache=MeasurementCache()):
+        compiled = torch.compile(model, backend="graphamp", options={"mode": "autotune", "inner": "eager"})
+        with torch.no_grad():
+            out = compiled(x)
+    assert out.dtype is torch.float32 and torch.equal(out, model(x))

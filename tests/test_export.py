@@ -1,0 +1,264 @@
+"""graphamp.export: ExportedPrograms equal to eager autocast that load and run without graphamp.
+
+Structure first (no autocast region, no graphamp call, weights stored low), numerics second
+(bitwise against eager autocast, in a fresh process that cannot import graphamp).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import decoder_zoo
+import graphamp
+from graphamp.testing import zoo
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+# Runs in a fresh interpreter where importing graphamp fails: it loads each program (or AOTInductor
+# package) and runs it on the saved inputs. transformers.modeling_outputs is imported only so that
+# its output classes are registered with pytree, which loading a program that returns them needs.
+_RUNNER = textwrap.dedent(
+    """
+    import sys
+
+    class _NoGraphamp:
+        def find_spec(self, name, path=None, target=None):
+            if name == "graphamp" or name.startswith("graphamp."):
+                raise ImportError("graphamp is not importable in this process")
+
+    sys.meta_path.insert(0, _NoGraphamp())
+    import torch
+    try:
+        import transformers.modeling_outputs  # noqa: F401
+    except ImportError:
+        pass
+    from torch.utils import _pytree as pytree
+
+    jobs = torch.load(sys.argv[1])
+    results = []
+    for path, kind, calls in jobs:
+        if kind == "aoti":
+            run = torch._inductor.aoti_load_package(path)
+        else:
+            run = torch.export.load(path).module()
+        outs = []
+        for args, kwargs in calls:
+            with torch.no_grad():
+                outs.append([t for t in pytree.tree_leaves(run(*args, **kwargs)) if isinstance(t, torch.Tensor)])
+        results.append(outs)
+    assert not any(m == "graphamp" or m.startswith("graphamp.") for m in sys.modules)
+    torch.save(results, sys.argv[2])
+    """
+)
+
+
+def run_without_graphamp(tmp_path, jobs: list[tuple[str, str, list]]) -> list[list[list[torch.Tensor]]]:
+    """Run every (artifact path, "program" | "aoti", [(args, kwargs), ...]) in one fresh process."""
+    jobs_path, out_path = tmp_path / "jobs.pt", tmp_path / "results.pt"
+    torch.save(jobs, jobs_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER, str(jobs_path), str(out_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out_path)
+
+
+def eager_autocast(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype) -> list[torch.Tensor]:
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        out = model(*args, **kwargs)
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def assert_bitwise(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, (i, a.dtype, b.dtype, a.shape, b.shape)
+        assert torch.equal(a, b), f"output {i}: max abs diff {(a.float() - b.float()).abs().max().item()}"
+
+
+def saved_size(ep: torch.export.ExportedProgram) -> int:
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    return len(buffer.getvalue())
+
+
+def _bert_like(hidden: int = 64, layers: int = 2, vocab: int = 512) -> zoo.Case:
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=4 * hidden, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+
+    def make(b: int, s: int) -> tuple[tuple, dict]:
+        g = torch.Generator().manual_seed(1000 * b + s)
+        mask = torch.ones(b, s, dtype=torch.long)
+        mask[0, s // 2:] = 0  # padding: the mask is not all ones
+        return (), {"input_ids": torch.randint(0, vocab, (b, s), generator=g), "attention_mask": mask}
+
+    return zoo.Case("bert_like", tf.BertModel(cfg).eval(), make, batch=2, seq=8)
+
+
+def _llama_like(**extra) -> zoo.Case:
+    case = decoder_zoo.llama(**extra)
+    case.model.eval()
+    return case
+
+
+MODELS = {"bert_like": _bert_like, "llama_like": _llama_like}
+SIZES = ((1, 5), (3, 11))  # two batch sizes, other sequence lengths than the example's
+
+
+@pytest.fixture(scope="module")
+def exported():
+    """Every model x dtype exported once, with its inputs at two sizes and eager autocast's outputs."""
+    done = {}
+    for name, factory in MODELS.items():
+        case = factory()
+        args, kwargs = case.inputs
+        for dtype in DTYPES:
+            ep = graphamp.export(case.model, args, kwargs, dtype=dtype)
+            calls = [case.make_inputs(b, s) for b, s in SIZES]
+            done[name, dtype] = ep, calls, [eager_autocast(case.model, a, k, dtype) for a, k in calls]
+    return done
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_program_holds_plain_aten_and_low_weights(exported, name, dtype):
+    ep, _, _ = exported[name, dtype]
+    targets = {n.target for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes if n.op == "call_function"}
+    assert torch.ops.higher_order.wrap_with_autocast not in targets
+    assert not [t for t in targets if getattr(t, "__module__", "").startswith("graphamp")]
+    assert torch.ops.aten._to_copy.default in targets  # the casts are in the program
+    low = [k for k, v in ep.state_dict.items() if v.dtype == dtype]
+    assert any(k.endswith("query.weight") or k.endswith("q_proj.weight") for k in low)
+    norms = [k for k in ep.state_dict if "norm" in k.lower()]
+    assert norms and all(ep.state_dict[k].dtype == torch.float32 for k in norms)  # autocast runs norms in fp32
+    assert ep.range_constraints and all(r.lower <= 1 for r in ep.range_constraints.values())  # batch 1 allowed
+
+
+def test_roundtrip_without_graphamp_is_bitwise(exported, tmp_path):
+    """Acceptance: save -> load where graphamp is not importable -> bitwise equal to eager autocast,
+    BERT-like and Llama-like, bf16 and fp16, two batch sizes."""
+    jobs, wants = [], []
+    for (name, dtype), (ep, calls, want) in exported.items():
+        path = str(tmp_path / f"{name}_{str(dtype)[6:]}.pt2")
+        torch.export.save(ep, path)
+        jobs.append((path, "program", calls))
+        wants.append(want)
+    results = run_without_graphamp(tmp_path, jobs)
+    for (key, got_per_call), want_per_call in zip(zip(exported, results), wants):
+        for got, want in zip(got_per_call, want_per_call):
+            assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_saved_program_is_at_most_055_of_fp32(name):
+    """Weights autocast uses only in low precision are stored low: the saved program is <= 0.55x the
+    fp32 export. Sizes where the weights, not the graph's text, make the file (hidden 512)."""
+    extra = {"hidden_size": 512, "intermediate_size": 1376, "num_attention_heads": 8} if name == "llama_like" else {"hidden": 512}
+    case = MODELS[name](**extra)
+    args, kwargs = case.inputs
+    fp32 = saved_size(torch.export.export(case.model, args, kwargs))
+    low = saved_size(graphamp.export(case.model, args, kwargs, dtype=torch.bfloat16, dynamic=False))
+    assert low <= 0.55 * fp32, (low, fp32, low / fp32)
+
+
+def test_keep_io_types_returns_fp32_equal_to_eager_float():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        want = model(x)
+    assert want.dtype is torch.float16
+    for run in (
+        graphamp.convert(model, (x,), dtype=torch.float16, keep_io_types=True),
+        graphamp.export(model, (x,), dtype=torch.float16, keep_io_types=True).module(),
+    ):
+        got = run(x)
+        assert got.dtype is torch.float32 and torch.equal(got, want.float())
+    plain = graphamp.export(model, (x,), dtype=torch.float16).module()(x)
+    assert plain.dtype is torch.float16
+
+
+def test_keep_io_types_takes_fp32_for_low_inputs_and_trains():
+    """A model fed bf16 inputs: with keep_io_types it takes fp32 and casts inside; gradients flow."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x.bfloat16())
+    amp = graphamp.convert(model, (x.bfloat16(),), keep_io_types=True)
+    got = amp(x)
+    assert got.dtype is torch.float32 and torch.equal(got, want.float())
+    with pytest.raises(graphamp.InputMismatchError):
+        amp(x.bfloat16())  # the interface is fp32 now
+    got.sum().backward()
+    assert model[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_keep_io_types_must_be_bool(bad):
+    model = nn.Linear(2, 2)
+    for frontend in (graphamp.convert, graphamp.export):
+        with pytest.raises(TypeError, match="keep_io_types must be True or False"):
+            frontend(model, (torch.randn(1, 2),), keep_io_types=bad)
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * 2 if y.sum() > 0 else y  # data-dependent control flow
+
+
+def test_data_dependent_control_flow_is_a_capture_error():
+    with pytest.raises(graphamp.CaptureError, match="data-dependent.*Way out"):
+        graphamp.export(_Branchy(), (torch.randn(2, 4),))
+
+
+class _Ste(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _WithFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Ste.apply(self.lin(x))
+
+
+def test_kept_function_is_an_export_error_naming_it():
+    with pytest.raises(graphamp.ExportError, match="autograd.Function.*Way out"):
+        graphamp.export(_WithFunction(), (torch.randn(2, 4),))
+
+
+def test_export_leaves_the_model_alone():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    before = {k: (v.dtype, v.clone()) for k, v in model.state_dict().items()}
+    graphamp.export(model, (torch.randn(2, 4),), dtype=torch.float16)
+    after = model.state_dict()
+    assert all(after[k].dtype == d and torch.equal(after[k], v) for k, (d, v) in before.items())
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
