@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 from graphamp.config import Config
 from graphamp.errors import DeviceMismatchError
 from graphamp.policy import DEVICE_TYPES, LOW_DTYPES, Policy, get_policy
+from graphamp.runtime import AutocastState, autocast_state
 
 __all__ = [
     "AmpSpec",
@@ -190,28 +191,16 @@ class AmpSpec:
         return self.mode == "exact" and self.config.is_default
 
 
-@contextlib.contextmanager
-def ambient_autocast(device_type: str, dtype: torch.dtype, enabled: bool = True) -> Iterator[None]:
+def ambient_autocast(device_type: str, dtype: torch.dtype, enabled: bool = True) -> contextlib.AbstractContextManager:
     """Set the autocast state of ``device_type`` the way ``torch.autocast`` does, and restore it.
 
     ``torch.autocast("cuda")`` disables itself on a CPU-only build; the low-level switches still
     work over fake CUDA tensors, which is how the CUDA policy is exercised without a GPU.
+
+    >>> with ambient_autocast("cpu", torch.float16):
+    ...     assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.float16
     """
-    prev_enabled = torch.is_autocast_enabled(device_type)
-    prev_dtype = torch.get_autocast_dtype(device_type)
-    prev_cache = torch.is_autocast_cache_enabled()
-    torch.set_autocast_enabled(device_type, enabled)
-    torch.set_autocast_dtype(device_type, dtype)
-    torch.set_autocast_cache_enabled(True)
-    torch.autocast_increment_nesting()
-    try:
-        yield
-    finally:
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
-        torch.set_autocast_enabled(device_type, prev_enabled)
-        torch.set_autocast_dtype(device_type, prev_dtype)
-        torch.set_autocast_cache_enabled(prev_cache)
+    return autocast_state([AutocastState(device_type, enabled, dtype)])
 
 
 @contextlib.contextmanager
