@@ -23,6 +23,8 @@ from graphamp.errors import (
     ScriptCaptureError,
     UnsupportedFunctionError,
 )
+from graphamp.hardware import EmulatedPrecisionWarning
+from graphamp.plan import AutotunePlan, PlanMismatchError
 from graphamp.policy import Category, Policy, get_policy
 from graphamp.train import TrainStep
 from graphamp.verify import Report, verify
@@ -30,6 +32,7 @@ from graphamp.verify import Report, verify
 __all__ = [
     "AmpInfo",
     "AmpModule",
+    "AutotunePlan",
     "BannedOpError",
     "CaptureError",
     "Category",
@@ -39,7 +42,9 @@ __all__ = [
     "InputMismatchError",
     "OptionError",
     "EagerPathWarning",
+    "EmulatedPrecisionWarning",
     "ExportError",
+    "PlanMismatchError",
     "Policy",
     "PolicyDriftError",
     "PromoteTypeError",

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphamp import hardware
 from graphamp.capture import capture
 from graphamp.config import Config
 from graphamp.emit import AmpModule, emit
@@ -48,7 +49,10 @@ def convert(
             later calls may differ.
         dtype: ``torch.bfloat16`` or ``torch.float16``; None takes autocast's default for the device.
         device_type: "cpu" or "cuda"; None takes the device of the model's parameters.
-        mode: "exact" reproduces eager autocast bit for bit.
+        mode: "exact" reproduces eager autocast bit for bit (and warns once, with
+            :class:`graphamp.EmulatedPrecisionWarning`, where this CPU emulates ``dtype``);
+            "autotune" measures each low-precision op against fp32 here and keeps the faster
+            (never less precise than autocast; ``graphamp.AutotunePlan.of(amp)`` is its plan).
         config: a :class:`graphamp.Config` with op overrides and modules kept in fp32.
         inference: deployment mode: no gradient path is kept (calls run under ``no_grad``),
             casts are shared freely, and weights used only in low precision are cast once, now,
@@ -73,6 +77,8 @@ def convert(
         model, (args, kwargs), dtype=dtype, device_type=device_type, mode=mode, inference=inference, config=config,
         keep_io_types=keep_io_types,
     )
+    if spec.mode == "exact":
+        hardware.warn_if_emulated(spec.device_type, spec.dtype)
     return _convert(model, args, kwargs, spec)
 
 

@@ -34,7 +34,7 @@ __all__ = [
     "resolve_dtype",
 ]
 
-MODES = ("exact",)
+MODES = ("exact", "autotune")
 TARGETS = ("module", "aot", "export")
 
 # The one table of dtype spellings every frontend and the CLI accept.
@@ -111,7 +111,10 @@ def check_device(device_type: str, model: nn.Module, inputs: Any) -> None:
 
 def check_mode(mode: object) -> str:
     if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not supported; use one of {MODES}")
+        raise ValueError(
+            f"mode={mode!r} is not supported; use one of {MODES} ('exact' reproduces eager autocast, "
+            "'autotune' keeps the faster of low precision and fp32 per op)"
+        )
     return mode
 
 
@@ -135,7 +138,8 @@ class AmpSpec:
     device_type: str
     # torch.bfloat16 or torch.float16: the lower-precision dtype.
     dtype: torch.dtype
-    # "exact" reproduces eager autocast bit for bit.
+    # "exact" reproduces eager autocast bit for bit; "autotune" raises to fp32 the low-precision ops
+    # that measure faster in fp32 on this machine (never lowers precision against autocast).
     mode: str = "exact"
     # Deployment: no gradient path is kept, casts are shared freely, weights are frozen low.
     inference: bool = False
@@ -175,6 +179,11 @@ class AmpSpec:
             raise ValueError(f"target={target!r} is not one of {TARGETS}")
         mode = check_mode(mode)
         config = check_config(config)
+        if config.plan is not None and mode != "autotune":
+            raise ValueError(
+                f"Config(plan=...) replays an autotune plan, but mode={mode!r}; pass mode='autotune' with it, "
+                "or drop the plan for an exact conversion"
+            )
         device = resolve_device_type(device_type, model, inputs)
         if check_devices:
             check_device(device, model, inputs)

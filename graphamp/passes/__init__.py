@@ -9,6 +9,7 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
+from graphamp.passes.autotune import autotune
 from graphamp.passes.cache_weights import cache_weights, freeze_weights
 from graphamp.passes.check_dtypes import check_dtypes, record_dtypes
 from graphamp.passes.dedupe_casts import dedupe_casts
@@ -21,6 +22,7 @@ from graphamp.passes.strip_asserts import strip_asserts
 from graphamp.spec import AmpSpec
 
 __all__ = [
+    "autotune",
     "cache_weights",
     "check_dtypes",
     "freeze_weights",
@@ -65,6 +67,8 @@ def build_pipeline(spec: AmpSpec, *, check: bool | None = None) -> list[Pass]:
         Pass("dedupe_casts", dedupe_casts),
         Pass("fold_casts", fold_casts),
     ]
+    if spec.mode == "autotune":
+        steps.append(Pass("autotune", autotune))
     if spec.check if check is None else check:
         steps.append(Pass("check_dtypes", check_dtypes))
     if spec.keep_io_types:
