@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from graphamp.cli import bench as bench_cli
 from graphamp.spec import DTYPE_ALIASES
 from graphamp.cli import verify as verify_cli
+from graphamp.cli import export as export_cli
 
 
 
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=convert_demo)
     bench_cli.add_parser(sub)
     verify_cli.add_parser(sub)
+    export_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if getattr(args, "model", "") is None:
         args.model = _default_model()
