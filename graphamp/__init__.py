@@ -21,6 +21,8 @@ from graphamp.errors import (
     PolicyDriftError,
     PromoteTypeError,
     ScriptCaptureError,
+    SearchError,
+    SearchWarning,
     UnsupportedFunctionError,
 )
 from graphamp.hardware import EmulatedPrecisionWarning
@@ -28,6 +30,8 @@ from graphamp.plan import AutotunePlan, PlanMismatchError
 from graphamp.policy import Category, Policy, get_policy
 from graphamp.train import TrainStep
 from graphamp.verify import Report, verify
+from graphamp.explain import Explanation, explain
+from graphamp.search import SearchReport, search
 
 __all__ = [
     "AmpInfo",
@@ -43,6 +47,7 @@ __all__ = [
     "OptionError",
     "EagerPathWarning",
     "EmulatedPrecisionWarning",
+    "Explanation",
     "ExportError",
     "PlanMismatchError",
     "Policy",
@@ -50,11 +55,16 @@ __all__ = [
     "PromoteTypeError",
     "Report",
     "ScriptCaptureError",
+    "SearchError",
+    "SearchReport",
+    "SearchWarning",
     "TrainStep",
     "UnsupportedFunctionError",
     "convert",
+    "explain",
     "export",
     "get_policy",
+    "search",
     "verify",
 ]
 

@@ -89,6 +89,32 @@ class Config:
                 f"got {type(self.plan).__name__}"
             )
 
+    @classmethod
+    def from_model(cls, model: nn.Module, *, dtype: torch.dtype | str = torch.float16) -> Config:
+        """The modules a model declares must stay in fp32, as ``fp32_modules``: opt-in, since eager
+        autocast ignores these declarations.
+
+        Reads transformers' ``_keep_in_fp32_modules`` (honoured for fp16, as ``from_pretrained``
+        does) and ``_keep_in_fp32_modules_strict`` (fp16 and bf16) from the model and its
+        submodules. Each declared name ``n`` becomes the globs ``n`` and ``*.n``: every module
+        called ``n``, at any depth. ``graphamp.explain`` names the modules kept, and why.
+
+        >>> from torch import nn
+        >>> class T5Like(nn.Module):
+        ...     _keep_in_fp32_modules = ["wo"]
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.wi, self.wo = nn.Linear(4, 8), nn.Linear(8, 4)
+        >>> assert Config.from_model(T5Like()).fp32_modules == ("wo", "*.wo")
+        >>> assert Config.from_model(T5Like(), dtype=torch.bfloat16).fp32_modules == ()
+        """
+        from graphamp.spec import resolve_dtype
+
+        dtype = resolve_dtype(dtype, "cpu")
+        attrs = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict") if dtype == torch.float16 else ("_keep_in_fp32_modules_strict",)
+        names = dict.fromkeys(n for m in model.modules() for a in attrs for n in sorted(getattr(type(m), a, None) or ()))
+        return cls(fp32_modules=tuple(g for n in names for g in (n, f"*.{n}")))
+
     @property
     def is_default(self) -> bool:
         return not self.op_overrides and not self.fp32_modules

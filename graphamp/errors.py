@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "ExportError", "ScriptCaptureError"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError"]
 
 
 class GraphampError(Exception):
@@ -57,3 +57,11 @@ class EagerPathWarning(UserWarning):
     """The model's eager code chooses its program by tensor values, which one graph cannot: the
     converted graph holds one choice (the example's, or the path torch.export takes), so inputs
     that would take another path in eager may get gradients that round differently."""
+
+
+class SearchError(GraphampError, RuntimeError):
+    """``graphamp.search`` found no set of fp32 modules that passes ``validate`` within ``max_trials``."""
+
+
+class SearchWarning(UserWarning):
+    """``graphamp.search`` has nothing to keep in fp32: the model already passes with autocast's policy."""

@@ -12,6 +12,8 @@ from torch.utils import _pytree as pytree
 from graphamp.cli import bench as bench_cli
 from graphamp.spec import DTYPE_ALIASES
 from graphamp.cli import verify as verify_cli
+from graphamp.cli import explain as explain_cli
+from graphamp.cli import search as search_cli
 from graphamp.cli import export as export_cli
 
 
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=convert_demo)
     bench_cli.add_parser(sub)
     verify_cli.add_parser(sub)
+    explain_cli.add_parser(sub)
+    search_cli.add_parser(sub)
     export_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if getattr(args, "model", "") is None:
