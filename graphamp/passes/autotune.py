@@ -28,7 +28,6 @@ import dataclasses
 import json
 import logging
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -81,8 +80,9 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 
 
 def wall_timer(fn: Callable[[], Any], trial: Trial) -> float:
-    """Median seconds per call of ``fn`` after one warm-up call: at least 3 calls, more while
-    under 30 ms in total (at most 25); the device is synchronized after each call.
+    """Seconds per call of ``fn``: the fastest of at least 3 calls after a warm-up call, more (at
+    most 20) while under 20 ms in total; the device is synchronized after each call. The fastest
+    call is the one least disturbed by other work on the machine.
 
     >>> t = wall_timer(lambda: torch.ones(8) * 2, Trial("mul", torch.float32, ((8,),), torch.device("cpu")))
     >>> assert 0 < t < 1
@@ -92,12 +92,12 @@ def wall_timer(fn: Callable[[], Any], trial: Trial) -> float:
     sync()
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < 3 or (len(times) < 25 and time.perf_counter() - start < 0.03):
+    while len(times) < 3 or (len(times) < 20 and time.perf_counter() - start < 0.02):
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def _default_cache_path() -> str:
@@ -293,58 +293,66 @@ class _Candidate:
         # inference=True freezes a parameter used only in low precision: its cast happens once, now.
         return self.spec.inference and src.op == "get_attr" and isinstance(attr_of(self.gm, src.target), nn.Parameter)
 
-    def build(self, raised: set[Node]) -> tuple[str, Callable[[], Any], Callable[[], Any], Trial, Trial]:
-        """The cache key and the low and fp32 callables of this op, with their trials."""
-        node, low = self.node, self.low
-        prep_low: list[Callable[[], Any]] = []
-        prep_fp32: list[Callable[[], Any]] = []
-        key: list[str] = []
-        made: dict[Node, tuple[Callable[[], Any], Callable[[], Any]]] = {}
+    def classify(self, raised: set[Node], paid: set[Node]) -> tuple[str, dict[Node, str]]:
+        """The cache key of this op and, per tensor input, what each choice costs for it.
 
-        def leaf(arg: Node) -> tuple[Callable[[], Any], Callable[[], Any]]:
-            if arg in made:
-                return made[arg]
+        Kinds: "fp32-cast" (an fp32 value cast down: low pays the cast), "frozen" or "paid" (a
+        cast made anyway: a weight frozen at conversion, or one an op kept low already shares),
+        "raised-cast" (low, but its producer was raised: low pays a cast down), "low" (fp32 pays
+        a cast up), "other" (not the low dtype: as it is for both).
+        """
+        kinds: dict[Node, str] = {}
+        key: list[str] = []
+        for arg in self.node.all_input_nodes:
             val = arg.meta.get("val")
             if not isinstance(val, torch.Tensor):
-                made[arg] = (lambda v=val: v, lambda v=val: v)
+                kinds[arg] = "other"
                 key.append(repr(val))
-                return made[arg]
-            shape, stride = _sizes(val)
+                continue
             src = _fp32_source(arg)
-            if val.dtype is low and src is not None:
-                x32 = _example(val, torch.float32).contiguous()
-                if self._free_weight(src):
-                    x = x32.to(low)
-                    pair = (lambda x=x: x, lambda x=x32: x)
-                    kind = "frozen"
-                else:
-                    pair = (lambda x=x32: torch.ops.aten._to_copy.default(x, dtype=low), lambda x=x32: x)
-                    kind = "fp32-cast"
-            elif val.dtype is low:
-                x = _example(val)
-                if _raised_origin(arg, raised):
-                    x32 = x.float()
-                    pair = (lambda x=x32: torch.ops.aten._to_copy.default(x, dtype=low), lambda x=x32: x)
-                    kind = "raised-cast"
-                else:
-                    pair = (lambda x=x: x, lambda x=x: torch.ops.aten._to_copy.default(x, dtype=torch.float32))
-                    kind = "low"
+            if val.dtype is self.low and src is not None:
+                kind = "frozen" if self._free_weight(src) else "paid" if arg in paid else "fp32-cast"
+            elif val.dtype is self.low:
+                kind = "raised-cast" if _raised_origin(arg, raised) else "low"
+            else:
+                kind = "other"
+            kinds[arg] = kind
+            shape, stride = _sizes(val)
+            key.append(f"{short_dtype(val.dtype)}{list(shape)}{list(stride)}:{kind}")
+        constants = torch.fx.node.map_arg((self.node.args, self.node.kwargs), lambda a: None)
+        return f"{self.op}|{short_dtype(self.low)}|{'|'.join(key)}|{constants!r}", kinds
+
+    def runs(self, kinds: dict[Node, str]) -> tuple[Callable[[], Any], Callable[[], Any], Trial, Trial]:
+        """The low and fp32 callables of this op on random inputs of its example's sizes, with their trials."""
+        node, low = self.node, self.low
+        cast = torch.ops.aten._to_copy.default
+        made: dict[Node, tuple[Callable[[], Any], Callable[[], Any]]] = {}
+        for arg, kind in kinds.items():
+            val = arg.meta.get("val")
+            if kind == "other":
+                x = _example(val) if isinstance(val, torch.Tensor) else val
+                made[arg] = (lambda x=x: x, lambda x=x: x)
+            elif kind in ("fp32-cast", "raised-cast"):
+                x32 = _example(val, torch.float32)
+                made[arg] = (lambda x=x32: cast(x, dtype=low), lambda x=x32: x)
+            elif kind in ("frozen", "paid"):
+                x32 = _example(val, torch.float32)
+                x = x32.to(low)
+                made[arg] = (lambda x=x: x, lambda x=x32: x)
             else:
                 x = _example(val)
-                pair = (lambda x=x: x, lambda x=x: x)
-                kind = "other"
-            key.append(f"{short_dtype(val.dtype)}{list(shape)}{list(stride)}:{kind}")
-            made[arg] = pair
-            return pair
+                made[arg] = (lambda x=x: x, lambda x=x: cast(x, dtype=torch.float32))
 
         def bind(variant: int) -> Callable[[], Any]:
-            args = torch.fx.node.map_arg(node.args, lambda a: leaf(a)[variant])
-            kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: leaf(a)[variant])
+            # Inputs become zero-argument callables (a cast, or the tensor itself), resolved per call.
+            thunk = type("_Thunk", (), {})
+            args = torch.fx.node.map_arg(node.args, lambda a: (thunk, made[a][variant]))
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: (thunk, made[a][variant]))
             target = node.target
 
             def resolve(x: Any) -> Any:
-                if callable(x) and not isinstance(x, (torch.dtype, torch.device)):
-                    return x()
+                if isinstance(x, tuple) and len(x) == 2 and x[0] is thunk:
+                    return x[1]()
                 if isinstance(x, (list, tuple)):
                     return type(x)(resolve(y) for y in x)
                 return x
@@ -354,12 +362,10 @@ class _Candidate:
 
             return run
 
-        run_low, run_fp32 = bind(0), bind(1)
-        constants = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: None)
-        shapes = tuple(_sizes(v.meta["val"])[0] for v in node.all_input_nodes if isinstance(v.meta.get("val"), torch.Tensor))
-        device = next((v.meta["val"].device for v in node.all_input_nodes if isinstance(v.meta.get("val"), torch.Tensor)), torch.device("cpu"))
-        full_key = f"{self.op}|{short_dtype(low)}|{'|'.join(key)}|{constants!r}"
-        return full_key, run_low, run_fp32, Trial(self.op, low, shapes, device), Trial(self.op, torch.float32, shapes, device)
+        tensors = [v.meta["val"] for v in node.all_input_nodes if isinstance(v.meta.get("val"), torch.Tensor)]
+        shapes = tuple(_sizes(v)[0] for v in tensors)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        return bind(0), bind(1), Trial(self.op, low, shapes, device), Trial(self.op, torch.float32, shapes, device)
 
 
 def _candidates(gm: GraphModule, spec: AmpSpec) -> list[_Candidate]:
@@ -448,6 +454,14 @@ def _times_note(times: tuple[float, float] | None) -> dict[str, float]:
     return {"low_ms": times[0], "fp32_ms": times[1]} if times else {}
 
 
+def _time_pair(timer: Timer, run_low: Callable[[], Any], trial_low: Trial, run_fp32: Callable[[], Any], trial_fp32: Trial) -> tuple[float, float]:
+    """(low s, fp32 s): each the faster of two timings, taken alternately (low, fp32, low, fp32), so a
+    burst of load on a shared machine hits both alike."""
+    first = (float(timer(run_low, trial_low)), float(timer(run_fp32, trial_fp32)))
+    second = (float(timer(run_low, trial_low)), float(timer(run_fp32, trial_fp32)))
+    return min(first[0], second[0]), min(first[1], second[1])
+
+
 def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model: str, ops: dict[str, str]) -> tuple[AutotunePlan, dict[Node, str]]:
     settings = _SETTINGS.get()
     cache = settings.cache if settings.cache is not None else _default_cache()
@@ -458,21 +472,24 @@ def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model
     times_ms: dict[str, tuple[float, float]] = {}
     measured = cached = unmeasured = 0
     timed_now: set[str] = set()
+    paid: set[Node] = set()  # casts down an op kept low makes, which later ops share for free
     with torch.no_grad():
         for c in candidates:
             name, low = c.node.name, c.low
-            key, run_low, run_fp32, trial_low, trial_fp32 = c.build(set(raised))
+            key, kinds = c.classify(set(raised), paid)
             key = f"{machine}|{key}"
             times = cache.get(key)
             source = "cache"
             if times is None or key in timed_now:
-                if times is None and time.perf_counter() - start > settings.budget_s:
+                if times is None and time.perf_counter() - start >= settings.budget_s:
                     decisions[name] = low
                     unmeasured += 1
                     info(c.node).notes["autotune"] = {"chosen": short_dtype(low), "source": f"not measured: the budget of {settings.budget_s:g} s was spent"}
+                    paid.update(n for n, kind in kinds.items() if kind == "fp32-cast")
                     continue
                 if times is None:
-                    times = (float(settings.timer(run_low, trial_low)), float(settings.timer(run_fp32, trial_fp32)))
+                    run_low, run_fp32, trial_low, trial_fp32 = c.runs(kinds)
+                    times = _time_pair(settings.timer, run_low, trial_low, run_fp32, trial_fp32)
                     cache.put(key, times)
                     timed_now.add(key)
                     measured += 1
@@ -484,7 +501,9 @@ def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model
             decisions[name] = low if keep_low else torch.float32
             times_ms[name] = (t_low * 1e3, t_fp32 * 1e3)
             info(c.node).notes["autotune"] = {"chosen": short_dtype(decisions[name]), "source": source, **_times_note(times_ms[name])}
-            if not keep_low:
+            if keep_low:
+                paid.update(n for n, kind in kinds.items() if kind == "fp32-cast")
+            else:
                 raised[c.node] = (
                     f"fp32 (autotune: {t_fp32 * 1e3:.3g} ms in fp32 vs {t_low * 1e3:.3g} ms in {short_dtype(low)}, "
                     f"casts included, {source})"
