@@ -175,9 +175,10 @@ class Explanation:
                     f"{f.numerics.overflow} of {f.numerics.numel} values overflow {f.dtype}"
                 )
             for o in self.outputs:
+                bad = f"{o.nonfinite} inf/nan; on the finite values: " if o.nonfinite else ""
                 lines.append(
-                    f"output {o.path or '[0]'} ({o.dtype}) vs fp32 model: max abs {_g(o.max_abs)}, rel {_g(o.max_rel)}, "
-                    f"SQNR {_g(o.sqnr_db)} dB, {o.nonfinite} inf/nan"
+                    f"output {o.path or '[0]'} ({o.dtype}) vs fp32 model: {bad}max abs {_g(o.max_abs)}, rel {_g(o.max_rel)}, "
+                    f"SQNR {_g(o.sqnr_db)} dB"
                 )
             lines.append("modules by the error their own ops add (local: on fp32 inputs):")
             lines.append(f"  {'module':<44} {'type':<18} {'ops':>4} {'low':>4} {'fp32':>4} {'casts':>5} {'local err':>9} {'max rel':>8} {'overflow':>8}")

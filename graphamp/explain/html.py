@@ -16,7 +16,8 @@ body{font:13px/1.4 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;m
 header{background:#1d2330;color:#fff;padding:12px 20px}
 header h1{font-size:17px;margin:0 0 4px}
 header .sub{color:#b8c0d0}
-main{padding:14px 20px;display:grid;grid-template-columns:minmax(560px,1fr) minmax(560px,1.4fr);gap:16px;align-items:start}
+main{padding:14px 20px;display:grid;grid-template-columns:minmax(640px,760px) 1fr;gap:16px;align-items:start}
+section.table{grid-column:1/-1}
 section{background:#fff;border:1px solid #dde1e8;border-radius:6px;padding:10px 12px;overflow:auto}
 section.wide{grid-column:1/-1}
 h2{font-size:14px;margin:2px 0 8px}
@@ -24,10 +25,9 @@ h2{font-size:14px;margin:2px 0 8px}
 .okay{background:#e9f6ee;border:1px solid #9fd0b0;color:#1e5e34;border-radius:6px;padding:8px 12px;margin-bottom:8px}
 .legend span{display:inline-block;margin-right:14px}
 .sw{display:inline-block;width:12px;height:12px;border-radius:2px;vertical-align:-2px;margin-right:4px}
-.tree details{margin-left:14px}
 .tree summary{list-style:none;cursor:pointer}
 .tree summary::-webkit-details-marker{display:none}
-.row{display:grid;grid-template-columns:minmax(200px,1fr) 64px 60px 150px 90px;gap:8px;align-items:center;padding:2px 4px;border-radius:3px;white-space:nowrap}
+.row{display:grid;grid-template-columns:minmax(250px,1fr) 64px 56px 130px 56px;gap:8px;align-items:center;padding:2px 4px;border-radius:3px;white-space:nowrap}
 .row:hover{outline:1px solid #9aa6bb}
 .name{overflow:hidden;text-overflow:ellipsis}
 .name .t{color:#6b7488;font-size:11px;margin-left:4px}
@@ -52,7 +52,8 @@ input[type=search]{width:340px;padding:4px 8px;border:1px solid #c4cad6;border-r
 
 _JS = """
 const q=document.getElementById('q'),rows=[...document.querySelectorAll('#nodes tbody tr')],cnt=document.getElementById('cnt');
-function filter(){const s=q.value.toLowerCase();let n=0;for(const r of rows){const v=!s||r.dataset.k.includes(s);r.style.display=v?'':'none';n+=v}cnt.textContent=n+' of '+rows.length+' nodes'}
+const oth=document.getElementById('oth');oth.addEventListener('change',filter);
+function filter(){const s=q.value.toLowerCase();let n=0;for(const r of rows){const v=(!s||r.dataset.k.includes(s))&&(oth.checked||!r.classList.contains('other'));r.style.display=v?'':'none';n+=v}cnt.textContent=n+' of '+rows.length+' nodes'}
 q.addEventListener('input',filter);filter();
 document.querySelectorAll('.row[data-path]').forEach(e=>e.addEventListener('dblclick',()=>{q.value=e.dataset.path;filter();q.scrollIntoView()}));
 document.querySelectorAll('#nodes th').forEach((th,i)=>th.addEventListener('click',()=>{const tb=th.closest('table').tBodies[0],num=th.classList.contains('n'),dir=th.dataset.d=th.dataset.d==='1'?'-1':'1';
@@ -89,8 +90,10 @@ def _mix(m: ModuleRecord) -> str:
 def _module_row(m: ModuleRecord, dtype: str) -> str:
     name = m.path.rsplit(".", 1)[-1] if m.path else "<root>"
     badges = ""
-    if m.local_overflow:
-        badges += f'<span class="badge inf" title="{m.local_overflow} values overflow {dtype} in this module from finite inputs">overflows {m.local_overflow}</span>'
+    if m.own_local_overflow:
+        badges += f'<span class="badge inf" title="{m.own_local_overflow} values overflow {dtype} in this module from finite inputs">overflows {m.own_local_overflow}</span>'
+    elif m.local_overflow:
+        badges += f'<span class="badge inf" style="background:#fff;color:#d03b3b;border:1px solid #d03b3b" title="a submodule overflows">overflow inside</span>'
     elif m.overflow:
         badges += f'<span class="badge inf" style="opacity:.55" title="inf/nan arriving from upstream">inf {m.overflow}</span>'
     if m.kept_fp32:
@@ -99,7 +102,7 @@ def _module_row(m: ModuleRecord, dtype: str) -> str:
     tip = f"max rel error vs fp32 {_g(m.max_rel)}; min SQNR {_g(m.min_sqnr_db, '.1f')} dB; local error added {_g(m.local_error)}; casts to {dtype} {m.casts_to_low}, to fp32 {m.casts_to_fp32}"
     return (
         f'<div class="row" data-path="{_e(m.path)}" title="{_e(m.path or "<root>")}: {_e(tip)}">'
-        f'<span class="name">{_e(name)}<span class="t">{_e(m.type)}</span>{badges}</span>'
+        f'<span class="name" style="padding-left:{14 * m.depth}px">{_e(name)}<span class="t">{_e(m.type)}</span>{badges}</span>'
         f'{_mix(m)}<span class="num">{m.ops_low}/{m.ops}</span>'
         f'<div class="bar{bad}"><i style="width:{100 * _bar_width(m.max_rel):.0f}%"></i></div>'
         f'<span class="num">{_g(m.max_rel)}</span></div>'
@@ -117,17 +120,27 @@ def _tree(e: Explanation) -> str:
         kids = children.get(m.path, [])
         row = _module_row(m, e.dtype)
         if not kids:
-            return f'<div style="margin-left:14px">{row}</div>'
+            return row
         # Open the path to trouble and the top levels; fold the rest.
         opened = " open" if m.depth < 2 or m.overflow or m.kept_fp32 else ""
         return f"<details{opened}><summary>{row}</summary>{''.join(walk(k) for k in kids)}</details>"
 
     root = next(m for m in e.modules if not m.path)
-    head = '<div class="row" style="font-weight:600;color:#6b7488"><span>module</span><span>precision</span><span class="num">low/ops</span><span>max rel error vs fp32 (log)</span><span class="num">max rel</span></div>'
-    return head + f'<div class="tree" style="margin-left:-14px">{walk(root)}</div>'
+    head = '<div class="row" style="font-weight:600;color:#6b7488"><span>module</span><span>precision</span><span class="num">low/ops</span><span>error vs fp32 (log)</span><span class="num">max rel</span></div>'
+    return head + f'<div class="tree">{walk(root)}</div>'
+
+
+def _ranking(e: Explanation) -> str:
+    rows = "".join(
+        f'<tr class="{"over" if m.own_local_overflow else ""}"><td>{_e(m.path)}</td><td>{_e(m.type)}</td><td class="n">{_g(m.own_local_error)}</td>'
+        f'<td class="n">{m.own_local_overflow or ""}</td></tr>'
+        for m in e.ranking()[:12] if m.own_local_error or m.own_local_overflow
+    )
+    return f"<table><thead><tr><th>module</th><th>type</th><th class=n>local error</th><th class=n>overflows</th></tr></thead><tbody>{rows}</tbody></table>"
 
 
 def _dtype_chip(dtype: str | None, low: str) -> str:
+    dtype = dtype.removeprefix("torch.").replace("int", "i").replace("float", "f") if dtype else dtype
     color = _LOW if dtype == low else _FP32 if dtype == "fp32" else _OTHER
     return f'<span class="dt" style="background:{color}">{_e(dtype or "–")}</span>'
 
@@ -138,6 +151,7 @@ def _node_rows(e: Explanation) -> str:
     for i, n in enumerate(e.nodes):
         s = n.numerics
         cls = "first" if n.name == first else "over" if s is not None and s.overflow else ""
+        cls += " other" if n.dtype not in (e.dtype, "fp32") else ""
         key = " ".join([n.name, n.op, n.module, n.module_type or "", n.dtype or "", n.reason, *n.input_casts]).lower()
         casts = "<br>".join(_e(c) for c in n.input_casts)
         flag = ' <span class="badge inf">first inf/nan</span>' if n.name == first else ""
@@ -183,9 +197,10 @@ def render(e: Explanation) -> str:
         else:
             banner = f'<div class="okay">No node overflows {_e(e.dtype)}: every inf/nan count is 0.</div>'
         for o in e.outputs:
+            bad = f'<b style="color:#d03b3b">{o.nonfinite} inf/nan</b>; on the finite values: ' if o.nonfinite else ""
             banner += (
-                f'<div>output <code>{_e(o.path or "[0]")}</code> ({_e(o.dtype)}) vs the fp32 model: max abs {_g(o.max_abs)}, '
-                f"max rel {_g(o.max_rel)}, SQNR {_g(o.sqnr_db, '.1f')} dB, {o.nonfinite} inf/nan</div>"
+                f'<div>output <code>{_e(o.path or "[0]")}</code> ({_e(o.dtype)}) vs the fp32 model: {bad}max abs {_g(o.max_abs)}, '
+                f"max rel {_g(o.max_rel)}, SQNR {_g(o.sqnr_db, '.1f')} dB</div>"
             )
     kept = "".join(f"<div>kept in fp32: <b>{_e(p or '<root>')}</b> — {_e(w)}</div>" for p, w in e.kept_fp32)
     legend = (
@@ -201,7 +216,8 @@ def render(e: Explanation) -> str:
 <main>
 <section class="wide">{banner}{kept}</section>
 <section><h2>Modules, coloured by precision</h2>{legend}{_tree(e)}</section>
-<section><h2>Op nodes</h2><input type="search" id="q" placeholder="search op, module, dtype, reason…"> <span id="cnt" class="casts"></span>
+<section><h2>Modules whose own ops add the most error</h2>{_ranking(e)}</section>
+<section class="table"><h2>Op nodes</h2><input type="search" id="q" placeholder="search op, module, dtype, reason…"> <label class="casts"><input type="checkbox" id="oth"> integer, bool and shape ops</label> <span id="cnt" class="casts"></span>
 <table id="nodes"><thead><tr><th class=n>#</th><th>node</th><th>op</th><th>module</th><th>dtype</th><th>why (and casts on its inputs)</th>{numeric_heads if e.numerics else ""}</tr></thead>
 <tbody>{_node_rows(e)}</tbody></table></section>
 {_grads(e)}
