@@ -120,7 +120,12 @@ class AmpModule(GraphModule):
         info = self.__dict__.get("_graphamp")
         expected = self.__dict__.get("_graphamp_signature")
         arity = self.__dict__.get("_graphamp_arity")
-        plain = arity is not None and not kwargs and len(args) == arity and all(isinstance(a, torch.Tensor) for a in args)
+        plain = arity is not None and not kwargs and len(args) == arity
+        if plain:
+            for a in args:
+                if not isinstance(a, torch.Tensor):
+                    plain = False
+                    break
         if expected is not None and not plain and input_signature(args, kwargs) != expected:
             raise InputMismatchError(
                 "these inputs differ in structure (positional count, keyword names, nesting) or in "

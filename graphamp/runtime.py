@@ -145,6 +145,10 @@ def cached_cast(cache: WeightCache, param: torch.Tensor, dtype: torch.dtype) -> 
     """
     if param.requires_grad and torch.is_grad_enabled():
         return torch.ops.aten._to_copy.default(param, dtype=dtype)
+    # WeightCache.get's hit path, inlined: this runs once per weight per call.
+    entry = cache._entries.get((id(param), dtype))
+    if entry is not None and entry[0] == param._version and entry[1] == param.data_ptr():
+        return entry[2]
     return cache.get(param, dtype)
 
 
@@ -165,7 +169,37 @@ class InputGuard(nn.Module):
         self.ranges = ranges
         self.reasons = reasons or {}  # per size: the model's condition that bounds it, and where
 
+    def _fast_specs(self) -> tuple | bool:
+        """Per input, what the fast path checks; False when some input needs the full check."""
+        counts: dict[str, int] = {}
+        for spec in self.specs:
+            for d in spec[2] if spec is not None else ():
+                if not isinstance(d, int):
+                    counts[d] = counts.get(d, 0) + 1
+        fast = tuple(_fast_spec_of(spec, self.ranges, counts) for spec in self.specs)
+        return False if any(f is False for f in fast) else fast
+
     def forward(self, *inputs: Any) -> None:
+        # Fast path, once per call: every tensor input has the dtype, device and rank converted for
+        # and its fixed sizes, and no symbolic size is bounded or shared; anything else takes the
+        # full check below, which also words the error.
+        fast = self.__dict__.get("_fast")
+        if fast is None:
+            fast = self.__dict__["_fast"] = self._fast_specs()
+        if fast is not False and len(inputs) == len(fast):
+            for spec, value in zip(fast, inputs):
+                if spec is None:
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    break
+                dtype, device_type, rank, fixed, free = spec
+                if value.dtype != dtype or value.device.type != device_type or value.dim() != rank:
+                    break
+                shape = value.shape
+                if any(shape[i] != d for i, d in fixed) or any(shape[i] < lo for i, lo in free):
+                    break
+            else:
+                return None
         bound: dict[str, int] = {}
         for name, spec, value in zip(self.names, self.specs, inputs):
             if spec is None:
@@ -202,6 +236,23 @@ class InputGuard(nn.Module):
                             + (f" (the graph was traced where the model's code tested {why})" if why else "")
                             + ". Way out: convert again with an example of this shape."
                         )
+
+
+def _fast_spec_of(spec: tuple | None, ranges: dict, counts: dict) -> tuple | None | bool:
+    """(dtype, device, rank, ((dim, size) fixed), ((dim, lower bound) free)) for the guard's fast path;
+    False for a size it cannot check alone (an upper bound, or a size shared with another dim)."""
+    if spec is None:
+        return None
+    dtype, device_type, dims = spec
+    fixed, free = [], []
+    for i, d in enumerate(dims):
+        if isinstance(d, int):
+            fixed.append((i, d))
+        elif d in ranges and ranges[d][1] is None and counts[d] == 1:
+            free.append((i, ranges[d][0]))
+        else:
+            return False
+    return (dtype, device_type, len(dims), tuple(fixed), tuple(free))
 
 
 class FrozenDict(dict):
