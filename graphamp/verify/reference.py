@@ -78,17 +78,12 @@ def _trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> GraphModule:
 
 
 def _eager_graph(model: nn.Module, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype) -> GraphModule:
-    from torch._export.utils import _compiling_state_context
-
     def run(*a: Any, **k: Any) -> Any:
         with ambient_autocast(device_type, dtype):
             return model(*a, **k)
 
-    # torch.compiler.is_exporting() as during capture: model code that branches on it (Hugging
-    # Face mask construction) takes the captured path, so only autocast's decisions can differ.
-    # The value comparison runs plain eager.
-    with _compiling_state_context():
-        return _trace(run, args, kwargs)
+    # Plain eager, as capture traces it (torch.compiler.is_compiling() False inside forward).
+    return _trace(run, args, kwargs)
 
 
 def _lowered_graph(amp: AmpModule, args: tuple, kwargs: dict) -> GraphModule:

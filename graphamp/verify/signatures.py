@@ -152,6 +152,12 @@ def _scan(graphamp: list[OpSignature], eager: list[OpSignature]) -> _Scan:
             continue
         for k in range(g2 - g1):
             g, e = graphamp[g1 + k], eager[e1 + k]
+            if len(g.inputs) != len(e.inputs):
+                # The same op called with other arguments (an attention mask on one side only):
+                # another program, not another dtype decision.
+                blocks += 1
+                structure = structure or _Where("structure", (g1 + k, g1 + k + 1), (e1 + k, e1 + k + 1))
+                continue
             if (g.inputs, g.outputs) != (e.inputs, e.outputs):
                 return _Scan(matched, _Where("dtype", (g1 + k, g1 + k + 1), (e1 + k, e1 + k + 1)), structure, blocks)
             matched += 1
