@@ -27,10 +27,7 @@ from graphamp.explain.numerics import LOW, GradNumerics, NodeNumerics, cast_targ
 from graphamp.spec import AmpSpec
 from graphamp.verify.report import _errors
 
-try:
-    from graphamp.policy import short_dtype
-except ImportError:  # before short_dtype moved to graphamp.policy
-    from graphamp.passes._infra import short_dtype
+from graphamp.policy import short_dtype
 
 __all__ = ["explain", "Explanation", "NodeRecord", "ModuleRecord", "OutputNumerics", "GradNumerics", "NodeNumerics"]
 

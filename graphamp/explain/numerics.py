@@ -38,11 +38,8 @@ LOW = (torch.float16, torch.bfloat16)
 
 
 def record_of(node: Node) -> NodeInfo:
-    """The node's graphamp record as a NodeInfo (a plain dict in modules from before NodeInfo)."""
-    record = peek(node)
-    if record is None:
-        return NodeInfo()
-    return NodeInfo.from_dict(record) if isinstance(record, dict) else record
+    """The node's graphamp record, or an empty one."""
+    return peek(node) or NodeInfo()
 
 
 def cast_target(node: Node) -> torch.dtype | None:
