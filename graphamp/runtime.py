@@ -54,6 +54,7 @@ __all__ = [
     "apply_function",
     "apply_graph_function",
     "autocast_cached",
+    "autocast_op",
     "autocast_state",
     "cached_cast",
     "current_autocast_state",
@@ -465,7 +466,18 @@ def apply_graph_function(kept: KeptGraphFunction, *operands: Any) -> Any:
 
 
 # The functions generated code calls besides torch's ops: a re-trace must record every call.
-_RUNTIME_CALLS = (set_grad_enabled, cached_cast, autocast_cached, apply_function)
+def autocast_op(op: Any, device_type: str, dtype: torch.dtype, *args: Any) -> Any:
+    """``op(*args)`` with ``device_type`` autocast on in ``dtype``: a fused kernel eager runs whole
+    (``_transformer_encoder_layer_fwd``), whose inner kernels autocast casts one by one.
+
+    >>> x, w = torch.randn(2, 4), torch.randn(4, 4)
+    >>> assert autocast_op(torch.ops.aten.mm.default, "cpu", torch.bfloat16, x, w).dtype is torch.bfloat16
+    """
+    with autocast_state([AutocastState(device_type, True, dtype)]):
+        return op(*args)
+
+
+_RUNTIME_CALLS = (set_grad_enabled, cached_cast, autocast_cached, apply_function, autocast_op)
 
 
 class AmpTracer(torch.fx.Tracer):

@@ -15,6 +15,7 @@ from graphamp.passes.check_dtypes import check_dtypes, record_dtypes
 from graphamp.passes.dedupe_casts import dedupe_casts
 from graphamp.passes.fold_casts import fold_casts
 from graphamp.passes.follow_eager_attention import follow_eager_attention
+from graphamp.passes.fuse_encoder_layers import fuse_encoder_layers
 from graphamp.passes.inline_regions import inline_regions
 from graphamp.passes.insert_casts import insert_casts
 from graphamp.passes.keep_io_types import keep_io_types
@@ -28,6 +29,7 @@ __all__ = [
     "freeze_weights",
     "dedupe_casts",
     "fold_casts",
+    "fuse_encoder_layers",
     "follow_eager_attention",
     "inline_regions",
     "insert_casts",
@@ -63,6 +65,7 @@ def build_pipeline(spec: AmpSpec, *, check: bool | None = None) -> list[Pass]:
         Pass("inline_regions", inline_regions),
         Pass("strip_asserts", strip_asserts),
         Pass("follow_eager_attention", follow_eager_attention),
+        Pass("fuse_encoder_layers", fuse_encoder_layers),
         Pass("insert_casts", insert_casts),
         Pass("dedupe_casts", dedupe_casts),
         Pass("fold_casts", fold_casts),

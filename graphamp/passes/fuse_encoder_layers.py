@@ -1,0 +1,155 @@
+"""Run each eval ``nn.TransformerEncoderLayer`` as eager autocast does under ``no_grad``: its fused kernel.
+
+In eval mode under ``no_grad``, ``nn.TransformerEncoderLayer.forward`` calls
+``torch._transformer_encoder_layer_fwd``, which is on no autocast list: CPU autocast lets it run
+and casts only the kernels it calls inside (attention in the low dtype, then a low-precision
+residual stream; see graphamp/backend/fast_paths.py). ``torch.export`` never takes that path, so
+the captured graph holds the layer's ordinary ops, whose policy is eager's *with* grad: numerically
+different and, op by op, slower. For ``convert(inference=True)`` (which runs under ``no_grad``)
+this pass replaces each such layer's ops by the fused call under the layer's autocast state
+(:func:`graphamp.runtime.autocast_op`), so outputs are bitwise eager's and the kernel is eager's.
+
+A layer is replaced only where eager takes the fused path: eval (no dropout that trains),
+``batch_first``, one packed input projection, relu or gelu, no masks, an even head count, and the
+CPU policy (CUDA autocast turns the path off: the module checks ``torch.is_autocast_enabled()``).
+Anything else keeps the ordinary ops.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
+
+from graphamp.passes.graph_edit import attr_of, carried_meta, fake_mode_of, next_node, recompute_val
+from graphamp.runtime import autocast_op
+
+if TYPE_CHECKING:
+    from graphamp.spec import AmpSpec
+
+__all__ = ["fuse_encoder_layers"]
+
+aten = torch.ops.aten
+FUSED = aten._transformer_encoder_layer_fwd.default
+_LAYER = "TransformerEncoderLayer"
+_PARAMS = (
+    "self_attn.in_proj_weight", "self_attn.in_proj_bias", "self_attn.out_proj.weight", "self_attn.out_proj.bias",
+    "norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias",
+    "linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias",
+)
+
+
+def _is_tensor(node: Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _layer_path(node: Node) -> str | None:
+    """The innermost TransformerEncoderLayer on the node's module stack."""
+    stack = node.meta.get("nn_module_stack") or {}
+    found = None
+    for path, type_ in stack.values():
+        name = type_ if isinstance(type_, str) else f"{type_.__module__}.{type_.__qualname__}"
+        if name.rsplit(".", 1)[-1] == _LAYER:
+            found = path
+    return found
+
+
+def _regions(gm: GraphModule) -> dict[str, list[Node]]:
+    regions: dict[str, list[Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            path = _layer_path(node)
+            if path is not None:
+                regions.setdefault(path, []).append(node)
+    return regions
+
+
+def _fused_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, Node, tuple] | None:
+    """(layer input, layer output, the fused op's arguments after ``src``), or None where eager
+    would not take the fused path or the region is not one layer call."""
+    inside = set(nodes)
+    params = {n.target: n for n in gm.graph.find_nodes(op="get_attr")}
+    weights = [params.get(f"{path}.{name}") for name in _PARAMS]
+    if any(w is None for w in weights):
+        return None  # separate q/k/v projections, no biases, ...: eager's fast path needs them all
+    # Size arithmetic (SymInts) is shared between layers; only tensors cross a layer's boundary.
+    inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
+    tensors = [a for a in inputs if a.op != "get_attr" and _is_tensor(a)]
+    outputs = [n for n in nodes if _is_tensor(n) and any(u not in inside for u in n.users)]
+    if len(tensors) != 1 or len(outputs) != 1 or any(a.op == "get_attr" and a not in weights for a in inputs):
+        return None  # masks, or more than one layer call under one path
+    src = tensors[0]
+    val = src.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 3 or not val.is_floating_point() or val.dtype is torch.float64:
+        return None
+    targets = {n.target for n in nodes}
+    if any(n.target is aten.dropout.default and n.args[2] for n in nodes):
+        return None  # training-mode dropout: eager runs the ordinary path
+    sdpa = [n for n in nodes if n.target is aten.scaled_dot_product_attention.default]
+    norms = [n for n in nodes if n.target is aten.layer_norm.default]
+    if len(sdpa) != 1 or len(norms) != 2 or ({aten.relu.default, aten.gelu.default} & targets) == set():
+        return None
+    heads = sdpa[0].meta["val"].shape[1]
+    eps = norms[0].args[4] if len(norms[0].args) > 4 else 1e-5
+    eps2 = norms[1].args[4] if len(norms[1].args) > 4 else 1e-5
+    if not isinstance(heads, int) or heads % 2 or eps != eps2:
+        return None
+    use_gelu = aten.gelu.default in targets
+    if use_gelu and any(n.target is aten.gelu.default and n.kwargs.get("approximate", "none") != "none" for n in nodes):
+        return None
+    norm_first = norms[0].args[0] is src
+    embed_dim = attr_of(gm, f"{path}.self_attn.in_proj_weight").shape[1]
+    w = weights
+    args = (embed_dim, heads, w[0], w[1], w[2], w[3], use_gelu, norm_first, eps, w[4], w[5], w[6], w[7], w[8], w[9], w[10], w[11], None, None)
+    return src, outputs[0], args
+
+
+def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
+    """Replace each eval TransformerEncoderLayer's ops by eager's fused kernel under autocast."""
+    # An AmpModule only: the torch.compile backend maps the fused op itself (backend/fast_paths.py),
+    # and an exported program holds no graphamp call.
+    if spec.target != "module" or not spec.inference or spec.device_type != "cpu" or not torch.backends.mha.get_fastpath_enabled():
+        return PassResult(gm, False)
+    modified = False
+    for path, nodes in _regions(gm).items():
+        found = _fused_args(gm, path, nodes)
+        if found is None:
+            continue
+        src, out, args = found
+        with gm.graph.inserting_after(out):
+            fused = gm.graph.call_function(autocast_op, (FUSED, spec.device_type, spec.dtype, src, *args))
+        # The fused kernel's output dtype: eager's, found on a two-token example with the real weights.
+        with torch.no_grad():
+            probe = torch.zeros(1, 2, args[0], device=src.meta["val"].device, dtype=src.meta["val"].dtype)
+            real = [attr_of(gm, a.target) if isinstance(a, Node) else a for a in args]
+            dtype = autocast_op(FUSED, spec.device_type, spec.dtype, probe, *real).dtype
+        fused.meta.update(carried_meta(
+            out, category=None, dtype=dtype,
+            reason=f"{path}: eager's fused _transformer_encoder_layer_fwd under no_grad, run under autocast as eager runs it",
+            eager_kernel="_transformer_encoder_layer_fwd",
+        ))
+        fake_mode = fake_mode_of(gm)
+        with fake_mode:
+            fused.meta["val"] = torch.empty_like(out.meta["val"], dtype=dtype)
+        out.replace_all_uses_with(fused)
+        for node in reversed(nodes):
+            if not node.users:
+                gm.graph.erase_node(node)
+        _refresh_after(fused, fake_mode)
+        modified = True
+    if modified:
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(gm, modified)
+
+
+def _refresh_after(node: Node, fake_mode: torch._subclasses.fake_tensor.FakeTensorMode) -> None:
+    """Re-derive the values of the ATen ops after ``node``: its output dtype may differ from the
+    ordinary path's (insert_casts, which runs next, decides their casts from these values)."""
+    current = next_node(node)
+    while current is not None:
+        if current.op == "call_function" and (isinstance(current.target, torch._ops.OpOverload) or current.target.__name__ == "getitem"):
+            current.meta["val"] = recompute_val(current, fake_mode)
+        current = next_node(current)

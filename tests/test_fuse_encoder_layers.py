@@ -1,0 +1,60 @@
+"""fuse_encoder_layers: eval TransformerEncoderLayers under inference=True run eager's fused kernel."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import graphamp
+from graphamp.passes.fuse_encoder_layers import FUSED
+from graphamp.passes.node_info import peek
+from graphamp.runtime import autocast_op
+
+
+def encoder(norm_first=False, activation="relu", heads=4, layers=2, d=32):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=2 * d, dropout=0.0, batch_first=True,
+                                       norm_first=norm_first, activation=activation)
+    return nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False).eval()
+
+
+def eager(model, x, dtype):
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        return model(x)
+
+
+def fused_nodes(amp):
+    return [n for n in amp.graph.nodes if n.target is autocast_op and n.args[0] is FUSED]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm_first, activation", [(False, "relu"), (True, "gelu")])
+def test_bitwise_to_eager_fused_path_under_no_grad(dtype, norm_first, activation):
+    model, x = encoder(norm_first, activation), torch.randn(3, 10, 32)
+    amp = graphamp.convert(model, (x,), dtype=dtype, inference=True)
+    assert len(fused_nodes(amp)) == 2  # structure first: one fused call per layer
+    assert peek(fused_nodes(amp)[0]).eager_kernel == "_transformer_encoder_layer_fwd"
+    for inp in (x, torch.randn(1, 7, 32)):  # and other batch and sequence sizes
+        want, got = eager(model, inp, dtype), amp(inp)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_saved_module_keeps_the_fused_call():
+    model, x = encoder(), torch.randn(2, 5, 32)
+    amp = graphamp.convert(model, (x,), inference=True)
+    buf = io.BytesIO()
+    torch.save(amp, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    assert len(fused_nodes(loaded)) == 2 and torch.equal(loaded(x), eager(model, x, torch.bfloat16))
+
+
+def test_not_fused_where_eager_takes_the_ordinary_path():
+    model, x = encoder(heads=3, d=30), torch.randn(2, 5, 30)  # an odd head count: eager's ordinary path
+    assert not fused_nodes(graphamp.convert(model, (x,), inference=True))
+    model = encoder()
+    assert not fused_nodes(graphamp.convert(model, (torch.randn(2, 5, 32),)))  # not inference: grad mode
+    train = encoder().train()
+    assert not fused_nodes(graphamp.convert(train, (torch.randn(2, 5, 32),), inference=True))
