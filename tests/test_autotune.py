@@ -276,3 +276,24 @@ def test_backend_option_mode_autotune():
         with torch.no_grad():
             out = compiled(x)
     assert out.dtype is torch.float32 and torch.equal(out, model(x))
+
+
+def test_fused_encoder_layers_are_candidates_too():
+    from graphamp.passes.fuse_encoder_layers import FUSED
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 6, 32)
+    timer = FakeTimer(fp32_faster)
+    amp = autotuned(model, (x,), timer, inference=True)
+    assert {t.op for t in timer.trials} == {"_transformer_encoder_layer_fwd"}
+    assert len(graphamp.AutotunePlan.of(amp).raised) == 2
+    assert [n.target for n in amp.graph.nodes if n.op == "call_function"].count(FUSED) == 2
+    with torch.no_grad():
+        want = model(x)  # eager fp32 takes the same fused kernel
+    got = amp(x)
+    assert got.dtype is torch.float32 and torch.equal(got, want)
+    kept = autotuned(model, (x,), FakeTimer(low_faster), inference=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        assert torch.equal(kept(x), model(x))

@@ -8,6 +8,10 @@ choice implies, in the low dtype against fp32:
 * low: the casts of its fp32 inputs down (a weight frozen at conversion is free), then the op;
 * fp32: the casts of its low inputs up (those of an op already raised are not needed), then the op.
 
+A fused kernel eager runs whole under autocast (an eval ``nn.TransformerEncoderLayer`` under
+``inference=True``, see fuse_encoder_layers.py) is a candidate too: raised, it runs with autocast
+off, as eager fp32 runs it.
+
 It keeps the low dtype only when that is faster by ``margin``; otherwise fp32, which is at least as
 accurate. It decides in graph order, so each op sees what the ops before it became. It only ever
 raises precision: ops autocast runs in fp32 stay fp32. The raised ops are then rewritten as if
@@ -47,7 +51,7 @@ from graphamp.passes.insert_casts import _cast_slots, _Rewriter
 from graphamp.passes.node_info import info, peek
 from graphamp.plan import AutotunePlan, fingerprint
 from graphamp.policy import Category, op_key, short_dtype
-from graphamp.runtime import autocast_cached
+from graphamp.runtime import autocast_cached, autocast_op
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
@@ -282,8 +286,11 @@ class _Candidate:
 
     def __init__(self, gm: GraphModule, node: Node, spec: AmpSpec) -> None:
         self.node = node
-        self.op = op_key(node.target)
-        self.low: torch.dtype = peek(node).dtype
+        # A fused kernel eager runs whole under autocast (fuse_encoder_layers): its fp32 variant is
+        # the same kernel with autocast off, as eager fp32 runs it.
+        self.fused = node.target is autocast_op
+        self.op = op_key(node.args[0]) if self.fused else op_key(node.target)
+        self.low: torch.dtype = node.args[2] if self.fused else peek(node).dtype
         # Sizes export kept symbolic print as "?": their symbols' names are not stable across captures.
         shapes = [tuple(_dim(d) for d in v.meta["val"].shape) for v in node.all_input_nodes if isinstance(v.meta.get("val"), torch.Tensor)]
         self.signature = (node.name, self.op, ";".join("x".join(s) for s in shapes))
@@ -349,6 +356,8 @@ class _Candidate:
             args = torch.fx.node.map_arg(node.args, lambda a: (thunk, made[a][variant]))
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: (thunk, made[a][variant]))
             target = node.target
+            if self.fused and variant == 1:
+                target, args = args[0], args[3:]
 
             def resolve(x: Any) -> Any:
                 if isinstance(x, tuple) and len(x) == 2 and x[0] is thunk:
@@ -380,6 +389,8 @@ def _candidates(gm: GraphModule, spec: AmpSpec) -> list[_Candidate]:
             and record.dtype in (torch.bfloat16, torch.float16)
         ):
             found.append(_Candidate(gm, node, spec))
+        elif node.op == "call_function" and node.target is autocast_op and node.args[1] == spec.device_type:
+            found.append(_Candidate(gm, node, spec))
     return found
 
 
@@ -404,6 +415,8 @@ class _RaiseRewriter(_Rewriter):
 def _raise(gm: GraphModule, spec: AmpSpec, raised: dict[Node, str]) -> None:
     """Rewrite the graph so the ``raised`` ops compute in fp32 (their fp32 inputs uncast)."""
     for node in raised:
+        if node.target is autocast_op:  # the fused kernel without autocast: eager's fp32 program
+            node.target, node.args = node.args[0], node.args[3:]
         for where, index, src in _cast_slots(node):
             origin = _fp32_source(src)
             if origin is not None:
