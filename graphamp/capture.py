@@ -86,15 +86,18 @@ def capture(
     *,
     device_type: str,
     dtype: torch.dtype,
+    grads: bool = True,
 ) -> torch.fx.GraphModule:
     """Export ``model`` under autocast(device_type, dtype) and return the unlifted graph module.
+
+    ``grads=False`` declares that no gradient will be taken through the result (inference, export).
 
     Parameters and buffers are attributes of the returned module (the model's own objects),
     inputs and outputs keep their pytree structure, and batch/sequence dims are symbolic.
     A model holding a ``torch.jit.ScriptModule`` is first traced to a plain graph (``script_graph``).
     """
     if any(isinstance(m, torch.jit.ScriptModule) for m in model.modules()):
-        model = script_graph(model, args, kwargs, device_type=device_type, dtype=dtype)
+        model = script_graph(model, args, kwargs, device_type=device_type, dtype=dtype, grads=grads)
     try:
         dynamic_shapes = _dynamic_shapes(model, args, kwargs)
         try:
@@ -152,7 +155,22 @@ def capture(
 _VALUE_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.ops.aten.is_nonzero.default)
 
 
-def script_graph(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> GraphModule:
+def _detaches_in_source(model: nn.Module) -> bool:
+    """Whether any TorchScript method in ``model`` calls ``detach`` itself (then a detached
+    parameter in the trace is the model's own choice, not the optimizing executor's)."""
+    for m in model.modules():
+        if isinstance(m, torch.jit.ScriptModule) and hasattr(m, "forward") and hasattr(m.forward, "graph"):
+            graph = m.forward.graph.copy()
+            torch._C._jit_pass_inline(graph)
+            if "aten::detach" in str(graph):
+                return True
+    return False
+
+
+_JIT_AUTOCAST_CASTS = (torch.ops.aten._autocast_to_reduced_precision.default, torch.ops.aten._autocast_to_full_precision.default)
+
+
+def script_graph(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype, grads: bool = True) -> GraphModule:
     """A plain graph of a model that holds ``torch.jit.ScriptModule``s, over the model's own Parameters.
 
     torch.export refuses ScriptModules. Pre-dispatch ``make_fx`` records the ops the TorchScript
@@ -189,7 +207,10 @@ def script_graph(model: nn.Module, args: tuple, kwargs: dict, *, device_type: st
     rng = torch.get_rng_state()
     jit_autocast = torch._C._jit_set_autocast_mode(False)
     try:
-        with ambient_autocast(device_type, dtype), warnings.catch_warnings():
+        # Unoptimized execution: the optimizing executor runs autodiff subgraphs whose inner ops
+        # see detached inputs (their gradient is a C++ node the tracer never records), and its
+        # passes insert TorchScript's own autocast ops.
+        with ambient_autocast(device_type, dtype), warnings.catch_warnings(), torch.jit.optimized_execution(False):
             warnings.simplefilter("ignore")
             traced = make_fx(run, pre_dispatch=True, tracing_mode="real")(*flat)
     except Exception as e:
@@ -214,6 +235,26 @@ def script_graph(model: nn.Module, args: tuple, kwargs: dict, *, device_type: st
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(saved[name])
+    # A graph executor warmed up under autocast elsewhere keeps TorchScript's own autocast casts in
+    # its plan; graphamp applies the dispatcher's policy, which those casts mirror, so they go.
+    for node in list(traced.graph.nodes):
+        if node.op == "call_function" and node.target in _JIT_AUTOCAST_CASTS:
+            node.replace_all_uses_with(node.args[0])
+            traced.graph.erase_node(node)
+    cut = [
+        n for n in traced.graph.find_nodes(op="call_function", target=torch.ops.aten.detach.default)
+        if n.args[0].op == "get_attr" and getattr(getattr(traced, n.args[0].target), "requires_grad", False)
+    ]
+    if cut and grads and not _detaches_in_source(model):
+        scripts = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.jit.ScriptModule)})
+        param = names.get(id(getattr(traced, cut[0].args[0].target)), (cut[0].args[0].target,))[0]
+        raise ScriptCaptureError(
+            f"TorchScript has already optimized the code of {', '.join(scripts)} (its methods ran before in this "
+            "process, on this or another instance): the optimized plan runs autodiff subgraphs whose inner ops "
+            f"see detached parameters ({param}, ...), so a trace of it would have no gradients. Way out: convert "
+            "(or build the TrainStep and take its first step) before running the ScriptModule, or convert in a "
+            "fresh process; graphamp.convert of a model not yet run under TorchScript is exact."
+        )
     reads = [n for n in traced.graph.nodes if n.op == "call_function" and n.target in _VALUE_READS]
     if reads:
         raise ScriptCaptureError(
