@@ -148,13 +148,14 @@ def test_measurements_are_cached_per_signature():
     x = torch.randn(4, 8)
     cache, timer = MeasurementCache(), FakeTimer(fp32_faster)
     first = autotuned(model, (x,), timer, cache=cache, inference=True)
-    # Three linears, one signature each: the first sees an fp32 input it casts; the next two
-    # take the fp32 output of a raised op. Each signature is timed once (low, fp32, low, fp32).
-    assert len(timer.trials) == 8
+    # Three linears, three signatures: the first casts an fp32 input, the second takes the fp32
+    # output of a raised op, and only the last does not feed another low-precision op (raised, the
+    # others pay a cast of their output). Each is timed once (low, fp32, low, fp32).
+    assert len(timer.trials) == 12
     plan = graphamp.AutotunePlan.of(first)
-    assert (plan.measured, plan.cached, len(plan.raised)) == (2, 0, 3)
+    assert (plan.measured, plan.cached, len(plan.raised)) == (3, 0, 3)
     again = autotuned(model, (x,), timer, cache=cache, inference=True)
-    assert len(timer.trials) == 8 and graphamp.AutotunePlan.of(again).cached == 3
+    assert len(timer.trials) == 12 and graphamp.AutotunePlan.of(again).cached == 3
     assert again.code == first.code
 
 
@@ -190,7 +191,7 @@ class CountCasts(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("inference, low_casts", [(False, 3), (True, 1)])
-def test_low_timing_includes_the_casts_it_implies(inference, low_casts):
+def test_timings_include_the_casts_each_choice_implies(inference, low_casts):
     torch.manual_seed(0)
     model, x = nn.Linear(8, 8).eval(), torch.randn(4, 8)
     counted = {}
@@ -297,3 +298,27 @@ def test_fused_encoder_layers_are_candidates_too():
     kept = autotuned(model, (x,), FakeTimer(low_faster), inference=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
         assert torch.equal(kept(x), model(x))
+
+
+def test_a_tie_keeps_autocasts_choice():
+    model, (x,) = mlp()
+    amp = autotuned(model, (x,), FakeTimer(lambda trial: 1.0))
+    assert graphamp.AutotunePlan.of(amp).raised == () and amp.code == graphamp.convert(model, (x,)).code
+
+
+def test_fp32_timing_pays_the_output_cast_a_low_consumer_needs():
+    model, (x,) = mlp()
+    counted = {}
+
+    def timer(fn, trial):
+        with CountCasts() as mode:
+            fn()
+        counted.setdefault(trial.shapes, {})[trial.dtype] = mode.casts
+        return low_faster(trial)
+
+    autotuned(model, (x,), timer, inference=True)
+    # The first linear feeds the second (through relu): raised, its output is cast down for it.
+    assert counted[((4, 8), (16, 8), (16,))] == {BF16: 1, torch.float32: 1}
+    # The second takes the first's bf16 output and feeds nothing low: fp32 casts its input up, low
+    # casts nothing (inference froze the weights).
+    assert counted[((4, 16), (4, 16), (4,))] == {BF16: 0, torch.float32: 1}

@@ -6,14 +6,15 @@ runs in the low dtype, times on this machine and at the example's shapes the op 
 choice implies, in the low dtype against fp32:
 
 * low: the casts of its fp32 inputs down (a weight frozen at conversion is free), then the op;
-* fp32: the casts of its low inputs up (those of an op already raised are not needed), then the op.
+* fp32: the casts of its low inputs up (those of an op already raised are not needed), then the op,
+  then the cast of its output down where it flows into another low-precision op.
 
 A fused kernel eager runs whole under autocast (an eval ``nn.TransformerEncoderLayer`` under
 ``inference=True``, see fuse_encoder_layers.py) is a candidate too: raised, it runs with autocast
 off, as eager fp32 runs it.
 
-It keeps the low dtype only when that is faster by ``margin``; otherwise fp32, which is at least as
-accurate. It decides in graph order, so each op sees what the ops before it became. It only ever
+It raises an op to fp32 only when fp32 is faster by ``margin``: a tie, or a difference within the
+noise of a shared machine, keeps autocast's choice. It decides in graph order, so each op sees what the ops before it became. It only ever
 raises precision: ops autocast runs in fp32 stay fp32. The raised ops are then rewritten as if
 autocast listed them fp32 (insert_casts' own rules), and the cast passes tidy up.
 
@@ -174,7 +175,7 @@ class _Settings:
     timer: Timer = wall_timer
     cache: MeasurementCache | None = None
     budget_s: float = 3.0
-    margin: float = 0.03
+    margin: float = 0.05
 
 
 _SETTINGS: contextvars.ContextVar[_Settings] = contextvars.ContextVar("graphamp_autotune", default=_Settings())
@@ -186,7 +187,7 @@ def measuring(
 ) -> Iterator[None]:
     """How autotune conversions in this block measure: ``timer(fn, trial) -> seconds per call``,
     the ``cache`` of measurements, the ``budget_s`` of measuring per conversion, and the ``margin``
-    by which low precision must be faster to be kept.
+    by which fp32 must be faster for an op to be raised.
 
     >>> import graphamp
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
@@ -268,6 +269,10 @@ def _fp32_source(node: Node) -> Node | None:
     return src if tensor_dtype(src) is torch.float32 else None
 
 
+def _is_tensor(node: Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
 def _raised_origin(node: Node, raised: set[Node]) -> bool:
     """Whether ``node`` (through views and casts) is the output of an op this pass raised."""
     seen = 0
@@ -295,6 +300,22 @@ class _Candidate:
         shapes = [tuple(_dim(d) for d in v.meta["val"].shape) for v in node.all_input_nodes if isinstance(v.meta.get("val"), torch.Tensor)]
         self.signature = (node.name, self.op, ";".join("x".join(s) for s in shapes))
         self.gm, self.spec = gm, spec
+        self.feeds_low = False  # set by _candidates: raised, its output needs a cast down for the next op
+
+    def reaches(self, others: set[Node]) -> bool:
+        """Whether the output flows, through ops of one tensor input (views, casts, activations),
+        into one of ``others``."""
+        frontier, depth = [self.node], 0
+        while frontier and depth < 8:
+            nxt = []
+            for n in frontier:
+                for user in n.users:
+                    if user in others:
+                        return True
+                    if user.op == "call_function" and len([a for a in user.all_input_nodes if _is_tensor(a)]) == 1:
+                        nxt.append(user)
+            frontier, depth = nxt, depth + 1
+        return False
 
     def _free_weight(self, src: Node) -> bool:
         # inference=True freezes a parameter used only in low precision: its cast happens once, now.
@@ -327,7 +348,8 @@ class _Candidate:
             shape, stride = _sizes(val)
             key.append(f"{short_dtype(val.dtype)}{list(shape)}{list(stride)}:{kind}")
         constants = torch.fx.node.map_arg((self.node.args, self.node.kwargs), lambda a: None)
-        return f"{self.op}|{short_dtype(self.low)}|{'|'.join(key)}|{constants!r}", kinds
+        out = "|out-cast" if self.feeds_low else ""
+        return f"{self.op}|{short_dtype(self.low)}|{'|'.join(key)}|{constants!r}{out}", kinds
 
     def runs(self, kinds: dict[Node, str]) -> tuple[Callable[[], Any], Callable[[], Any], Trial, Trial]:
         """The low and fp32 callables of this op on random inputs of its example's sizes, with their trials."""
@@ -374,7 +396,15 @@ class _Candidate:
         tensors = [v.meta["val"] for v in node.all_input_nodes if isinstance(v.meta.get("val"), torch.Tensor)]
         shapes = tuple(_sizes(v)[0] for v in tensors)
         device = tensors[0].device if tensors else torch.device("cpu")
-        return bind(0), bind(1), Trial(self.op, low, shapes, device), Trial(self.op, torch.float32, shapes, device)
+        run_fp32 = bind(1)
+        if self.feeds_low:
+            plain_fp32 = run_fp32
+
+            def run_fp32() -> Any:
+                out = plain_fp32()
+                return cast(out, dtype=low) if isinstance(out, torch.Tensor) else out
+
+        return bind(0), run_fp32, Trial(self.op, low, shapes, device), Trial(self.op, torch.float32, shapes, device)
 
 
 def _candidates(gm: GraphModule, spec: AmpSpec) -> list[_Candidate]:
@@ -391,6 +421,9 @@ def _candidates(gm: GraphModule, spec: AmpSpec) -> list[_Candidate]:
             found.append(_Candidate(gm, node, spec))
         elif node.op == "call_function" and node.target is autocast_op and node.args[1] == spec.device_type:
             found.append(_Candidate(gm, node, spec))
+    nodes = {c.node for c in found}
+    for c in found:
+        c.feeds_low = c.reaches(nodes - {c.node})
     return found
 
 
@@ -510,7 +543,7 @@ def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model
             else:
                 cached += 1
             t_low, t_fp32 = times
-            keep_low = t_low <= (1 - settings.margin) * t_fp32
+            keep_low = not t_fp32 < (1 - settings.margin) * t_low
             decisions[name] = low if keep_low else torch.float32
             times_ms[name] = (t_low * 1e3, t_fp32 * 1e3)
             info(c.node).notes["autotune"] = {"chosen": short_dtype(decisions[name]), "source": source, **_times_note(times_ms[name])}
