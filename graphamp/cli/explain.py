@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from graphamp.cli.common import add_model_arguments, load_model
+
 __all__ = ["add_parser", "main"]
 
 
@@ -16,9 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(max abs/rel error, SQNR, overflow and flush-to-zero counts, the first node producing inf/nan). "
         "Exit status 1 when an output holds inf/nan the fp32 model does not.",
     )
-    p.add_argument("--model", required=True, help="built-in model name (graphamp.testing.zoo) or module:factory")
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default=None, help="default: autocast's default for the device (cpu: bf16)")
-    p.add_argument("--train", action="store_true", help="explain the training-mode graph (default: eval)")
+    add_model_arguments(p, train_help="explain the training-mode graph (default: eval)")
     p.add_argument("--from-model", action="store_true", help="keep the modules the model declares fp32 (transformers' _keep_in_fp32_modules): Config.from_model")
     p.add_argument("--fp32-module", action="append", default=[], metavar="GLOB", help="keep modules matching GLOB in fp32 (repeatable)")
     p.add_argument("--grads", action="store_true", help="also report per-parameter gradient underflow, without and with GradScaler's 65536")
@@ -30,11 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import graphamp
-    from graphamp.testing import zoo
 
-    case = zoo.build(args.model)
-    model = case.model.train(args.train)
-    inputs, kwargs = case.inputs
+    model, inputs, kwargs = load_model(args)
     modules = tuple(args.fp32_module)
     if args.from_model:
         modules += graphamp.Config.from_model(model, dtype=args.dtype or "bf16").fp32_modules

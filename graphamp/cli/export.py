@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from graphamp.cli.common import add_model_arguments, load_model
+
 __all__ = ["add_parser", "main"]
 
 
@@ -17,9 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "torch.autocast, with weights used only in low precision stored low, and no graphamp call in it. "
         "--aoti compiles it with AOTInductor into a .pt2 package (load with torch._inductor.aoti_load_package).",
     )
-    p.add_argument("--model", required=True, help="built-in model name (graphamp.testing.zoo) or module:factory returning (model, args[, kwargs]) or a zoo Case")
+    add_model_arguments(p)
     p.add_argument("--out", required=True, metavar="PATH", help="where to write the program (torch.export.save) or, with --aoti, the package")
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default=None, help="default: autocast's default for the device (cpu bf16)")
     p.add_argument("--aoti", action="store_true", help="compile with AOTInductor (torch._inductor.aoti_compile_and_package)")
     p.add_argument("--keep-io-types", action="store_true", help="take floating inputs in fp32 and return low-precision floating outputs in fp32")
     p.add_argument("--static", action="store_true", help="fix every input size to the example's (default: dynamic where the model allows)")
@@ -30,11 +31,8 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     import graphamp
-    from graphamp.testing import zoo
 
-    case = zoo.build(args.model)
-    model = case.model.eval()
-    inputs, kwargs = case.inputs
+    model, inputs, kwargs = load_model(args)  # eval: export is for inference
     try:
         ep = graphamp.export(model, inputs, kwargs, dtype=args.dtype, keep_io_types=args.keep_io_types, dynamic=not args.static)
     except graphamp.GraphampError as e:
@@ -45,5 +43,5 @@ def main(args: argparse.Namespace) -> int:
     else:
         torch.export.save(ep, args.out)
     kind = "AOTInductor package" if args.aoti else "ExportedProgram"
-    print(f"wrote {kind} {args.out} ({os.path.getsize(args.out) / 2**20:.2f} MiB) for {case.name}")
+    print(f"wrote {kind} {args.out} ({os.path.getsize(args.out) / 2**20:.2f} MiB) for {args.model}")
     return 0

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from graphamp.cli.common import add_model_arguments, load_model
+
 __all__ = ["add_parser", "main"]
 
 
@@ -17,9 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "fp32_modules with which the converted model's outputs are finite and within atol + rtol * max|fp32| of "
         "the fp32 model. Prints each trial, the result, its accuracy and speed. Exit status 1 if nothing passes.",
     )
-    p.add_argument("--model", required=True, help="built-in model name (graphamp.testing.zoo) or module:factory")
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default="fp16")
-    p.add_argument("--train", action="store_true", help="search on the training-mode graph (default: eval)")
+    add_model_arguments(p, dtype_default="fp16", dtype_help="default: fp16, whose range overflows", train_help="search on the training-mode graph (default: eval)")
     p.add_argument("--atol", type=float, default=None)
     p.add_argument("--rtol", type=float, default=None, help="default: 1e-2 for fp16, 4e-2 for bf16")
     p.add_argument("--max-trials", type=int, default=32)
@@ -30,11 +30,8 @@ def main(args: argparse.Namespace) -> int:
     import warnings
 
     import graphamp
-    from graphamp.testing import zoo
 
-    case = zoo.build(args.model)
-    model = case.model.train(args.train)
-    inputs, kwargs = case.inputs
+    model, inputs, kwargs = load_model(args)
     log = logging.getLogger("graphamp.search")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))

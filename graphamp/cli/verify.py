@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from graphamp.cli.common import add_model_arguments, load_model
+
 __all__ = ["add_parser", "main"]
 
 
@@ -16,10 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "gradient too. Exit status 0 when all are bitwise equal, 1 otherwise. "
         "--device-type cuda without a GPU runs both sides on fake CUDA tensors (values not compared).",
     )
-    p.add_argument("--model", required=True, help="built-in model name (graphamp.testing.zoo) or module:factory")
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default=None, help="default: autocast's default for the device (cpu bf16, cuda fp16)")
+    add_model_arguments(p, train_help="verify in training mode (default: eval)")
     p.add_argument("--device-type", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--train", action="store_true", help="verify in training mode (default: eval)")
     p.add_argument(
         "--grads", action="store_true",
         help="also backpropagate a fixed loss through both sides and compare every parameter's and "
@@ -31,11 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import graphamp
-    from graphamp.testing import zoo
 
-    case = zoo.build(args.model)
-    model = case.model.train(args.train)
-    inputs, kwargs = case.inputs
+    model, inputs, kwargs = load_model(args)
     report = graphamp.verify(model, inputs, kwargs, dtype=args.dtype, device_type=args.device_type, grads=args.grads)
     print(report)
     if args.json:
