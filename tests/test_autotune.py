@@ -322,3 +322,31 @@ def test_fp32_timing_pays_the_output_cast_a_low_consumer_needs():
     # The second takes the first's bf16 output and feeds nothing low: fp32 casts its input up, low
     # casts nothing (inference froze the weights).
     assert counted[((4, 16), (4, 16), (4,))] == {BF16: 0, torch.float32: 1}
+
+
+def test_timing_includes_the_ops_whose_precision_the_choice_decides():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(4, 8)
+    ran: dict[tuple, list[str]] = {}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self, names):
+            super().__init__()
+            self.names = names
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def timer(fn, trial):
+        with Ops(ran.setdefault((trial.shapes, trial.dtype), [])):
+            fn()
+        return low_faster(trial)
+
+    autotuned(model, (x,), timer, inference=True)
+    first_fp32 = ran[(((4, 8), (16, 8), (16,)), torch.float32)]
+    # The first linear's choice decides the dtype of the batch norm and relu after it: they are timed
+    # with it, and raised, its output is cast down for the next linear.
+    assert "addmm" in first_fp32 and "native_batch_norm" in first_fp32 and "relu" in first_fp32
+    assert first_fp32[-1] == "_to_copy"

@@ -9,6 +9,9 @@ choice implies, in the low dtype against fp32:
 * fp32: the casts of its low inputs up (those of an op already raised are not needed), then the op,
   then the cast of its output down where it flows into another low-precision op.
 
+Both also run the ops after it whose dtype its choice decides (a single-consumer chain of batch
+norm, activations, views... up to the next such op), since raising an op moves them to fp32 too.
+
 A fused kernel eager runs whole under autocast (an eval ``nn.TransformerEncoderLayer`` under
 ``inference=True``, see fuse_encoder_layers.py) is a candidate too: raised, it runs with autocast
 off, as eager fp32 runs it.
@@ -32,6 +35,7 @@ import contextvars
 import dataclasses
 import json
 import logging
+import operator
 import os
 import tempfile
 import threading
@@ -301,11 +305,30 @@ class _Candidate:
         self.signature = (node.name, self.op, ";".join("x".join(s) for s in shapes))
         self.gm, self.spec = gm, spec
         self.feeds_low = False  # set by _candidates: raised, its output needs a cast down for the next op
+        # The ops after it whose precision its choice decides (batch norm, activations, views), up
+        # to the next candidate: timed with it, in the dtype it leaves them.
+        self.chain: list[Node] = []
+
+    def follow(self, others: set[Node]) -> list[Node]:
+        """The single-consumer chain after this op whose other inputs are weights or sizes."""
+        chain: list[Node] = []
+        current = self.node
+        while len(chain) < 8 and len(current.users) == 1:
+            (user,) = current.users
+            if user in others or user.op != "call_function":
+                break
+            if not (isinstance(user.target, torch._ops.OpOverload) or user.target is operator.getitem):
+                break
+            if any(a is not current and a.op != "get_attr" and _is_tensor(a) for a in user.all_input_nodes):
+                break
+            chain.append(user)
+            current = user
+        return chain
 
     def reaches(self, others: set[Node]) -> bool:
         """Whether the output flows, through ops of one tensor input (views, casts, activations),
         into one of ``others``."""
-        frontier, depth = [self.node], 0
+        frontier, depth = [self.chain[-1] if self.chain else self.node], 0
         while frontier and depth < 8:
             nxt = []
             for n in frontier:
@@ -349,6 +372,8 @@ class _Candidate:
             key.append(f"{short_dtype(val.dtype)}{list(shape)}{list(stride)}:{kind}")
         constants = torch.fx.node.map_arg((self.node.args, self.node.kwargs), lambda a: None)
         out = "|out-cast" if self.feeds_low else ""
+        if self.chain:
+            out += "|then " + ",".join(op_key(n.target) if isinstance(n.target, torch._ops.OpOverload) else "getitem" for n in self.chain)
         return f"{self.op}|{short_dtype(self.low)}|{'|'.join(key)}|{constants!r}{out}", kinds
 
     def runs(self, kinds: dict[Node, str]) -> tuple[Callable[[], Any], Callable[[], Any], Trial, Trial]:
@@ -396,7 +421,7 @@ class _Candidate:
         tensors = [v.meta["val"] for v in node.all_input_nodes if isinstance(v.meta.get("val"), torch.Tensor)]
         shapes = tuple(_sizes(v)[0] for v in tensors)
         device = tensors[0].device if tensors else torch.device("cpu")
-        run_fp32 = bind(1)
+        run_low, run_fp32 = self._then_chain(bind(0)), self._then_chain(bind(1))
         if self.feeds_low:
             plain_fp32 = run_fp32
 
@@ -404,7 +429,38 @@ class _Candidate:
                 out = plain_fp32()
                 return cast(out, dtype=low) if isinstance(out, torch.Tensor) else out
 
-        return bind(0), run_fp32, Trial(self.op, low, shapes, device), Trial(self.op, torch.float32, shapes, device)
+        return run_low, run_fp32, Trial(self.op, low, shapes, device), Trial(self.op, torch.float32, shapes, device)
+
+
+    def _then_chain(self, run: Callable[[], Any]) -> Callable[[], Any]:
+        if not self.chain:
+            return run
+        steps = []
+        previous = self.node
+        for node in self.chain:
+            def value(a: Node, previous: Node = previous) -> Any:
+                if a is previous:
+                    return _PREVIOUS
+                if a.op == "get_attr":
+                    return attr_of(self.gm, a.target)
+                val = a.meta.get("val")
+                return _hint(val) if isinstance(val, (int, torch.SymInt)) else val
+
+            args = torch.fx.node.map_arg(node.args, value)
+            kwargs = torch.fx.node.map_arg(node.kwargs, value)
+            steps.append((node.target, args, kwargs))
+            previous = node
+
+        def chained() -> Any:
+            out = run()
+            for target, args, kwargs in steps:
+                out = target(*[out if a is _PREVIOUS else a for a in args], **kwargs)
+            return out
+
+        return chained
+
+
+_PREVIOUS = object()  # where a chained op takes the previous op's output
 
 
 def _candidates(gm: GraphModule, spec: AmpSpec) -> list[_Candidate]:
@@ -423,6 +479,8 @@ def _candidates(gm: GraphModule, spec: AmpSpec) -> list[_Candidate]:
             found.append(_Candidate(gm, node, spec))
     nodes = {c.node for c in found}
     for c in found:
+        if not c.fused:
+            c.chain = c.follow(nodes)
         c.feeds_low = c.reaches(nodes - {c.node})
     return found
 
