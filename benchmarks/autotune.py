@@ -29,7 +29,7 @@ from graphamp import bench
 from graphamp.hardware import capability
 
 MODELS = ("mlp", "checkerboard", "many_small_ops", "transformer_encoder", "bert", "gpt2")
-VARIANTS = ("fp32", "autocast", "graphamp", "graphamp_inference", "graphamp_autotune")
+VARIANTS = ("fp32", "autocast", "pure_low", "graphamp", "graphamp_inference", "graphamp_autotune")
 
 
 def header() -> str:

@@ -73,7 +73,7 @@ class AutotunePlan:
     # The machine measured on (graphamp.hardware.Capability.key()).
     machine: str = ""
     # Seconds spent measuring, op signatures timed now, found in the cache, and left unmeasured
-    # (kept low, as autocast) because the measuring budget ran out.
+    # (kept low, as autocast) because the measuring budget ran out or the op could not be timed.
     measure_s: float = 0.0
     measured: int = 0
     cached: int = 0
@@ -121,7 +121,7 @@ class AutotunePlan:
         return (
             f"autotune ({_dtype_name(self.dtype)}): {len(self.raised)} of {len(self.decisions)} low-precision ops raised "
             f"to fp32; measuring took {self.measure_s:.2f} s ({self.measured} op shapes timed, {self.cached} from the "
-            f"cache, {self.unmeasured} left as autocast for lack of budget)"
+            f"cache, {self.unmeasured} left as autocast unmeasured: the budget was spent, or the op could not be timed alone)"
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -176,7 +176,7 @@ def test_budget_spent_keeps_autocast_and_is_reported():
         amp = graphamp.convert(model, (x,), mode="autotune")
     plan = graphamp.AutotunePlan.of(amp)
     assert timer.trials == [] and plan.unmeasured == 2 and plan.raised == ()
-    assert "2 left as autocast for lack of budget" in plan.summary()
+    assert "2 left as autocast unmeasured: the budget was spent" in plan.summary()
     assert amp.code == graphamp.convert(model, (x,)).code
 
 
@@ -350,3 +350,33 @@ def test_timing_includes_the_ops_whose_precision_the_choice_decides():
     # with it, and raised, its output is cast down for the next linear.
     assert "addmm" in first_fp32 and "native_batch_norm" in first_fp32 and "relu" in first_fp32
     assert first_fp32[-1] == "_to_copy"
+
+
+def test_bench_variant_and_columns(capsys, tmp_path):
+    from graphamp.cli.main import main
+
+    with measuring(timer=FakeTimer(fp32_faster), cache=MeasurementCache()):
+        code = main(["bench", "--model", "mlp", "--variants", "fp32", "autocast", "graphamp_autotune", "--rounds", "2",
+                     "--json", str(tmp_path / "bench.json")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].startswith("capability: ") and "bf16 matmul" in out
+    assert "vs fp32" in out and "vs best" in out and "err vs fp32 (autocast's)" in out
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    tuned = rows["graphamp_autotune"]
+    assert tuned["status"] == "ok" and "4 of 4 low-precision ops raised" in tuned["note"]
+    assert tuned["err_vs_fp32"] == 0.0 and rows["autocast"]["err_vs_fp32"] > 0  # all fp32: fp32's output
+    assert tuned["vs_best"] is not None and tuned["vs_fp32"] is not None
+
+
+def test_an_op_that_cannot_be_timed_keeps_autocasts_dtype():
+    model, (x,) = mlp()
+
+    def broken(fn, trial):
+        raise RuntimeError("no kernel for this layout")
+
+    amp = autotuned(model, (x,), broken)
+    plan = graphamp.AutotunePlan.of(amp)
+    assert plan.unmeasured == 2 and plan.raised == () and amp.code == graphamp.convert(model, (x,)).code
+    note = peek(amp.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)[0]).notes["autotune"]
+    assert note["source"].startswith("not measured: RuntimeError: no kernel")

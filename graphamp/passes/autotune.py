@@ -51,7 +51,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from graphamp import hardware
 from graphamp.passes.dedupe_casts import dedupe_casts
 from graphamp.passes.fold_casts import fold_casts
-from graphamp.passes.graph_edit import CAST_TARGET, attr_of, cast_source, is_graphamp_cast, tensor_dtype
+from graphamp.passes.graph_edit import attr_of, cast_source, is_graphamp_cast, tensor_dtype
 from graphamp.passes.insert_casts import _cast_slots, _Rewriter
 from graphamp.passes.node_info import info, peek
 from graphamp.plan import AutotunePlan, fingerprint
@@ -321,6 +321,8 @@ class _Candidate:
                 break
             if any(a is not current and a.op != "get_attr" and _is_tensor(a) for a in user.all_input_nodes):
                 break
+            if current not in user.args or any(v is current for v in user.kwargs.values()):
+                break  # timed with the previous output as a positional argument only
             chain.append(user)
             current = user
         return chain
@@ -430,7 +432,6 @@ class _Candidate:
                 return cast(out, dtype=low) if isinstance(out, torch.Tensor) else out
 
         return run_low, run_fp32, Trial(self.op, low, shapes, device), Trial(self.op, torch.float32, shapes, device)
-
 
     def _then_chain(self, run: Callable[[], Any]) -> Callable[[], Any]:
         if not self.chain:
@@ -592,8 +593,15 @@ def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model
                     paid.update(n for n, kind in kinds.items() if kind == "fp32-cast")
                     continue
                 if times is None:
-                    run_low, run_fp32, trial_low, trial_fp32 = c.runs(kinds)
-                    times = _time_pair(settings.timer, run_low, trial_low, run_fp32, trial_fp32)
+                    try:
+                        run_low, run_fp32, trial_low, trial_fp32 = c.runs(kinds)
+                        times = _time_pair(settings.timer, run_low, trial_low, run_fp32, trial_fp32)
+                    except Exception as e:  # an op graphamp cannot time alone keeps autocast's dtype
+                        decisions[name] = low
+                        unmeasured += 1
+                        info(c.node).notes["autotune"] = {"chosen": short_dtype(low), "source": f"not measured: {type(e).__name__}: {e}"[:200]}
+                        paid.update(n for n, kind in kinds.items() if kind == "fp32-cast")
+                        continue
                     cache.put(key, times)
                     timed_now.add(key)
                     measured += 1
