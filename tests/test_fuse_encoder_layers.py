@@ -58,3 +58,35 @@ def test_not_fused_where_eager_takes_the_ordinary_path():
     assert not fused_nodes(graphamp.convert(model, (torch.randn(2, 5, 32),)))  # not inference: grad mode
     train = encoder().train()
     assert not fused_nodes(graphamp.convert(train, (torch.randn(2, 5, 32),), inference=True))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, need_weights=False, cross=False):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.need_weights, self.cross = need_weights, cross
+
+    def forward(self, x):
+        kv = x * 2 if self.cross else x
+        out, _ = self.attn(x, kv, kv, need_weights=self.need_weights)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_multihead_attention_takes_eagers_fused_op(dtype):
+    torch.manual_seed(0)
+    model, x = SelfAttention().eval(), torch.randn(2, 6, 32)
+    amp = graphamp.convert(model, (x,), dtype=dtype, inference=True)
+    fused = [n for n in amp.graph.nodes if n.target is torch.ops.aten._native_multi_head_attention.default]
+    assert len(fused) == 1 and peek(fused[0]).category == "lower_precision_fp"  # autocast's list decides its casts
+    for inp in (x, torch.randn(3, 4, 32)):
+        want, got = eager(model, inp, dtype), amp(inp)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kwargs", [{"need_weights": True}, {"cross": True}])
+def test_multihead_attention_not_fused_off_eagers_fast_path(kwargs):
+    torch.manual_seed(0)
+    model = SelfAttention(**kwargs).eval()
+    amp = graphamp.convert(model, (torch.randn(2, 6, 32),), inference=True)
+    assert not [n for n in amp.graph.nodes if n.target is torch.ops.aten._native_multi_head_attention.default]

@@ -1,4 +1,5 @@
-"""Run each eval ``nn.TransformerEncoderLayer`` as eager autocast does under ``no_grad``: its fused kernel.
+"""Run each eval ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` as eager autocast does
+under ``no_grad``: through its fused kernel.
 
 In eval mode under ``no_grad``, ``nn.TransformerEncoderLayer.forward`` calls
 ``torch._transformer_encoder_layer_fwd``, which is on no autocast list: CPU autocast lets it run
@@ -13,11 +14,18 @@ A layer is replaced only where eager takes the fused path: eval (no dropout that
 ``batch_first``, one packed input projection, relu or gelu, no masks, an even head count, and the
 CPU policy (CUDA autocast turns the path off: the module checks ``torch.is_autocast_enabled()``).
 Anything else keeps the ordinary ops.
+
+An ``nn.MultiheadAttention`` outside such a layer takes ``torch._native_multi_head_attention`` in
+the same conditions (self-attention, ``need_weights=False`` here). That op is on CPU autocast's
+lower-precision list, so it needs no autocast region: it replaces the module's ops as an ordinary
+node, and insert_casts casts its inputs as eager autocast does.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import operator
 
 import torch
 from torch.fx import GraphModule, Node
@@ -33,7 +41,9 @@ __all__ = ["fuse_encoder_layers"]
 
 aten = torch.ops.aten
 FUSED = aten._transformer_encoder_layer_fwd.default
+MHA = aten._native_multi_head_attention.default
 _LAYER = "TransformerEncoderLayer"
+_ATTENTION = "MultiheadAttention"
 _PARAMS = (
     "self_attn.in_proj_weight", "self_attn.in_proj_bias", "self_attn.out_proj.weight", "self_attn.out_proj.bias",
     "norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias",
@@ -45,22 +55,24 @@ def _is_tensor(node: Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def _layer_path(node: Node) -> str | None:
-    """The innermost TransformerEncoderLayer on the node's module stack."""
+def _layer_path(node: Node, kind: str = _LAYER) -> str | None:
+    """The outermost module of type ``kind`` on the node's module stack (None inside an encoder
+    layer when looking for attention: the layer is fused whole)."""
     stack = node.meta.get("nn_module_stack") or {}
-    found = None
     for path, type_ in stack.values():
-        name = type_ if isinstance(type_, str) else f"{type_.__module__}.{type_.__qualname__}"
-        if name.rsplit(".", 1)[-1] == _LAYER:
-            found = path
-    return found
+        name = (type_ if isinstance(type_, str) else f"{type_.__module__}.{type_.__qualname__}").rsplit(".", 1)[-1]
+        if name == _LAYER and kind != _LAYER:
+            return None
+        if name == kind:
+            return path
+    return None
 
 
-def _regions(gm: GraphModule) -> dict[str, list[Node]]:
+def _regions(gm: GraphModule, kind: str = _LAYER) -> dict[str, list[Node]]:
     regions: dict[str, list[Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
-            path = _layer_path(node)
+            path = _layer_path(node, kind)
             if path is not None:
                 regions.setdefault(path, []).append(node)
     return regions
@@ -106,6 +118,64 @@ def _fused_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, No
     return src, outputs[0], args
 
 
+def _attention_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, Node, tuple] | None:
+    """(input, output, the fused op's arguments after query, key, value) for a self-attention
+    ``nn.MultiheadAttention`` call that returns no weights, or None."""
+    inside = set(nodes)
+    params = {n.target: n for n in gm.graph.find_nodes(op="get_attr")}
+    weights = [params.get(f"{path}.{name.removeprefix('self_attn.')}") for name in _PARAMS[:4]]
+    if any(w is None for w in weights):
+        return None
+    inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
+    tensors = [a for a in inputs if a.op != "get_attr" and _is_tensor(a)]
+    outputs = [n for n in nodes if _is_tensor(n) and any(u not in inside for u in n.users)]
+    if len(tensors) != 1 or len(outputs) != 1 or any(a.op == "get_attr" and a not in weights for a in inputs):
+        return None  # cross-attention, masks, or attention weights returned
+    src = tensors[0]
+    val = src.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 3 or val.dtype is not torch.float32:
+        return None
+    if any(n.target is aten.dropout.default and n.args[2] for n in nodes):
+        return None
+    sdpa = [n for n in nodes if n.target is aten.scaled_dot_product_attention.default]
+    if len(sdpa) != 1 or sdpa[0].args[3:] or sdpa[0].kwargs:
+        return None  # need_weights=True computes the weights explicitly; a mask or causal flag
+    heads = sdpa[0].meta["val"].shape[1]
+    if not isinstance(heads, int) or heads % 2:
+        return None
+    embed_dim = attr_of(gm, weights[0].target).shape[1]
+    return src, outputs[0], (embed_dim, heads, *weights, None, False, True, None)
+
+
+def _fuse_attention(gm: GraphModule) -> bool:
+    modified = False
+    fake_mode = fake_mode_of(gm)
+    for path, nodes in _regions(gm, _ATTENTION).items():
+        found = _attention_args(gm, path, nodes)
+        if found is None:
+            continue
+        src, out, args = found
+        with gm.graph.inserting_after(out):
+            fused = gm.graph.call_function(MHA, (src, src, src, *args))
+        with gm.graph.inserting_after(fused):
+            first = gm.graph.call_function(operator.getitem, (fused, 0))
+        for node in (fused, first):
+            node.meta.update(carried_meta(out, eager_kernel="_native_multi_head_attention", reason=f"{path}: eager's fused attention under no_grad"))
+        try:
+            fused.meta["val"] = recompute_val(fused, fake_mode)
+        except Exception:  # no fake kernel: leave the module's ordinary ops
+            gm.graph.erase_node(first)
+            gm.graph.erase_node(fused)
+            continue
+        first.meta["val"] = fused.meta["val"][0]
+        out.replace_all_uses_with(first)
+        for node in reversed(nodes):
+            if not node.users:
+                gm.graph.erase_node(node)
+        modified = True
+    return modified
+
+
 def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Replace each eval TransformerEncoderLayer's ops by eager's fused kernel under autocast."""
     # An AmpModule only: the torch.compile backend maps the fused op itself (backend/fast_paths.py),
@@ -139,6 +209,7 @@ def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
                 gm.graph.erase_node(node)
         _refresh_after(fused, fake_mode)
         modified = True
+    modified |= _fuse_attention(gm)
     if modified:
         gm.graph.lint()
         gm.recompile()
