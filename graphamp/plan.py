@@ -52,7 +52,7 @@ def fingerprint(candidates: Sequence[tuple[str, str, str]]) -> str:
 class AutotunePlan:
     """The decisions of one autotune conversion, replayable through ``Config(plan=...)``.
 
-    >>> import torch
+    >>> import json, torch
     >>> plan = AutotunePlan("cpu", torch.bfloat16, "0123456789abcdef", {"linear": torch.float32, "linear_1": torch.bfloat16})
     >>> assert plan.raised == ("linear",)
     >>> assert AutotunePlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
