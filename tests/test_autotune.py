@@ -380,3 +380,21 @@ def test_an_op_that_cannot_be_timed_keeps_autocasts_dtype():
     assert plan.unmeasured == 2 and plan.raised == () and amp.code == graphamp.convert(model, (x,)).code
     note = peek(amp.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)[0]).notes["autotune"]
     assert note["source"].startswith("not measured: RuntimeError: no kernel")
+
+
+def test_a_burst_of_load_is_measured_again():
+    model, (x,) = mlp()
+    # The first low timing of the first op is hit by a burst (100x): later rounds are clean.
+    calls = []
+
+    def bursty(fn, trial):
+        calls.append(trial)
+        if len(calls) == 1:
+            return 100.0
+        return low_faster(trial)
+
+    amp = autotuned(model, (x,), bursty)
+    plan = graphamp.AutotunePlan.of(amp)
+    assert plan.raised == () and plan.times_ms["linear"] == (1000.0, 2000.0)
+    # Two rounds (low, fp32) for the clean op; three for the disturbed one, until two agreed.
+    assert len(calls) == 6 + 4
