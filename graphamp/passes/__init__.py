@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import torch
+import torch  # noqa: F401  (the doctests' namespace)
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
