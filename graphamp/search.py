@@ -36,7 +36,6 @@ from graphamp.errors import SearchError, SearchWarning
 from graphamp.explain import Explanation, _explain
 from graphamp.explain.numerics import buffers_restored, run_fp32, run_side_by_side
 from graphamp.spec import AmpSpec, autocast_off
-from graphamp.verify.report import _errors
 
 __all__ = ["search", "SearchReport", "Trial", "default_validate"]
 

@@ -22,7 +22,6 @@ from torch._dynamo.exc import BackendCompilerFailed
 import graphamp
 from graphamp.backend import BackendOptions, graphamp_backend, rewrite
 from graphamp.spec import AmpSpec
-from graphamp.policy import get_policy
 from conftest import build_case
 from helpers import _loss, assert_same_grads, assert_same_outputs, float_leaves, matmul_function, run_eager
 
