@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.fx import GraphModule
+from torch.fx.graph_module import _forward_from_src
 
 from graphamp.config import Config
 from graphamp.errors import InputMismatchError
@@ -18,7 +19,8 @@ from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
 from graphamp.passes.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
-from graphamp.runtime import _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, rebuild_amp_module
+from graphamp.codegen import READ_METHOD, eager_body, hoist_state_reads
+from graphamp.runtime import _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["AmpModule", "AmpInfo", "emit", "input_signature", "describe_signature"]
 
 _GUARD = "_graphamp_guard"
+_TRACEABLE = "_graphamp_traceable"  # the forward dynamo traces (recompile)
 
 
 @dataclass(frozen=True)
@@ -141,8 +144,23 @@ class AmpModule(GraphModule):
     def _call_without_autocast(self, info: AmpInfo | None, args: tuple, kwargs: dict) -> Any:
         if info is not None and torch.is_autocast_enabled(info.device_type):
             with autocast_off((info.device_type,)):
-                return super().__call__(*args, **kwargs)
+                return self._run(args, kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        if torch.compiler.is_compiling():  # dynamo traces the code without direct overload calls
+            return self.__dict__[_TRACEABLE](self, *args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    def recompile(self):  # noqa: ANN201 (FX's PythonCode)
+        """FX's recompile, writing faster code (:mod:`graphamp.codegen`): ``self.code`` hoists the
+        parameter reads and calls each ATen overload directly; under dynamo (``torch.compile`` of
+        this module), which cannot trace the direct calls, calls run the same code without them."""
+        with self._graph.on_generate_code(lambda _previous: hoist_state_reads):
+            traceable = self._graph.python_code(root_module="self")
+        self.__dict__[_TRACEABLE] = _forward_from_src(traceable.src, traceable.globals)
+        with self._graph.on_generate_code(lambda _previous: eager_body):
+            return super().recompile()
 
     def refresh(self) -> None:
         """Recompute the low-precision weight copies from the model's parameters.
@@ -175,13 +193,19 @@ class AmpModule(GraphModule):
             )
         return super().train(mode)
 
+    # What the code's hoisted parameter reads call (graphamp.codegen): self is the root.
+    locals()[READ_METHOD] = read_state
+
     # A saved record (a plain dict) as the node's NodeInfo again; the runtime calls it on load.
     node_info_from_saved = staticmethod(NodeInfo.from_dict)
 
     def __reduce__(self) -> tuple:
         _, (body, import_block) = super().__reduce__()
+        # Files keep FX's own code (plain get_attr reads); loading recompiles, which hoists again.
+        body["_code"] = self._graph.python_code(root_module="self").src
         body["_tracer_cls"] = AmpTracer
         body.pop("_graphamp_frozen", None)  # weak references to the source model do not travel
+        body.pop(_TRACEABLE, None)  # recompiled on load
         # Loading re-traces the code, which keeps no node meta: graphamp's record of each node
         # travels beside it, so a loaded module's cast_summary() still reports its casts.
         body[_NODE_META] = _node_meta_record(self.graph, _saved_info)

@@ -59,6 +59,7 @@ __all__ = [
     "cached_cast",
     "current_autocast_state",
     "fill",
+    "read_state",
     "rebuild_amp_module",
     "set_grad_enabled",
 ]
@@ -151,6 +152,42 @@ def cached_cast(cache: WeightCache, param: torch.Tensor, dtype: torch.dtype) -> 
     if entry is not None and entry[0] == param._version and entry[1] == param.data_ptr():
         return entry[2]
     return cache.get(param, dtype)
+
+
+def read_state(root: nn.Module, *paths: tuple[str, ...]) -> list[Any]:
+    """The attributes at ``paths`` (each a tuple of names) of ``root``, read as ``getattr`` reads
+    them but through the modules' dictionaries: an instance attribute, then ``_parameters``,
+    ``_buffers``, ``_modules`` (``nn.Module.__getattr__``'s order), else ``getattr``.
+
+    A converted module's code reads its parameters through this once per call
+    (``graphamp.codegen``), so it always sees the current objects.
+
+    >>> m = nn.Sequential(nn.Linear(2, 2))
+    >>> w, b = read_state(m, ("0", "weight"), ("0", "bias"))
+    >>> assert w is m[0].weight and b is m[0].bias
+    """
+    values = []
+    for path in paths:
+        obj = root
+        for key in path:
+            try:
+                d = obj.__dict__
+                params = d["_parameters"]
+            except (AttributeError, KeyError):  # not a module
+                obj = getattr(obj, key)
+                continue
+            if key in d:
+                obj = getattr(obj, key)
+            elif key in params:
+                obj = params[key]
+            elif key in d["_buffers"]:
+                obj = d["_buffers"][key]
+            elif key in d["_modules"]:
+                obj = d["_modules"][key]
+            else:
+                obj = getattr(obj, key)
+        values.append(obj)
+    return values
 
 
 class InputGuard(nn.Module):
