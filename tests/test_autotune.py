@@ -398,3 +398,21 @@ def test_a_burst_of_load_is_measured_again():
     assert plan.raised == () and plan.times_ms["linear"] == (1000.0, 2000.0)
     # Two rounds (low, fp32) for the clean op; three for the disturbed one, until two agreed.
     assert len(calls) == 6 + 4
+
+
+def test_timings_that_never_settle_decide_now_but_are_not_cached(tmp_path):
+    model, (x,) = mlp()
+    # Every round of every timing differs 3x from the last: the rounds never agree.
+    calls = []
+
+    def unsettled(fn, trial):
+        calls.append(trial)
+        return fp32_faster(trial) * (3.0 ** len(calls))
+
+    path = tmp_path / "cache.json"
+    amp = autotuned(model, (x,), unsettled, cache=MeasurementCache(path))
+    plan = graphamp.AutotunePlan.of(amp)
+    assert plan.measured == 2 and len(calls) == 2 * 2 * 4  # two ops, four rounds of (low, fp32) each
+    assert not MeasurementCache(path)._load()  # nothing disturbed was written for later conversions
+    again = autotuned(model, (x,), FakeTimer(low_faster), cache=MeasurementCache(path))
+    assert graphamp.AutotunePlan.of(again).measured == 2

@@ -565,14 +565,16 @@ _SUSPECT_RATIO = 4.0
 _MAX_ROUNDS = 4
 
 
-def _time_pair(timer: Timer, run_low: Callable[[], Any], trial_low: Trial, run_fp32: Callable[[], Any], trial_fp32: Trial) -> tuple[float, float]:
-    """(low s, fp32 s): each the fastest of rounds timed alternately (low, fp32, low, fp32, ...).
+def _time_pair(timer: Timer, run_low: Callable[[], Any], trial_low: Trial, run_fp32: Callable[[], Any], trial_fp32: Trial) -> tuple[float, float, bool]:
+    """(low s, fp32 s, settled): each the fastest of rounds timed alternately (low, fp32, ...).
 
     Two rounds at least; up to four while the two fastest rounds of a dtype differ by more than 2x or
     the two dtypes by more than ``_SUSPECT_RATIO``: on a shared machine a burst of load can slow every call of one timing, and
-    the fastest round is the least disturbed.
+    the fastest round is the least disturbed. ``settled`` says the last test passed; a pair that never
+    settled decides this conversion but is not kept in the cache, where it would decide every later one.
     """
     lows, fp32s = [], []
+    settled = False
     while len(lows) < _MAX_ROUNDS:
         lows.append(float(timer(run_low, trial_low)))
         fp32s.append(float(timer(run_fp32, trial_fp32)))
@@ -583,8 +585,9 @@ def _time_pair(timer: Timer, run_low: Callable[[], Any], trial_low: Trial, run_f
             break
         # The two fastest rounds of each dtype agree, and the dtypes differ plausibly: done.
         if max(low2 / low, fp32_2 / fp32) <= 2.0 and max(low / fp32, fp32 / low) <= _SUSPECT_RATIO:
+            settled = True
             break
-    return min(lows), min(fp32s)
+    return min(lows), min(fp32s), settled
 
 
 def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model: str, ops: dict[str, str]) -> tuple[AutotunePlan, dict[Node, str]]:
@@ -597,13 +600,14 @@ def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model
     times_ms: dict[str, tuple[float, float]] = {}
     measured = cached = unmeasured = 0
     timed_now: set[str] = set()
+    unsettled: dict[str, tuple[float, float]] = {}  # timings too disturbed to keep in the cache
     paid: set[Node] = set()  # casts down an op kept low makes, which later ops share for free
     with torch.no_grad():
         for c in candidates:
             name, low = c.node.name, c.low
             key, kinds = c.classify(set(raised), paid)
             key = f"{machine}|{key}"
-            times = cache.get(key)
+            times = unsettled.get(key) or cache.get(key)
             source = "cache"
             if times is None or key in timed_now:
                 if times is None and time.perf_counter() - start >= settings.budget_s:
@@ -615,14 +619,18 @@ def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model
                 if times is None:
                     try:
                         run_low, run_fp32, trial_low, trial_fp32 = c.runs(kinds)
-                        times = _time_pair(settings.timer, run_low, trial_low, run_fp32, trial_fp32)
+                        *times, settled = _time_pair(settings.timer, run_low, trial_low, run_fp32, trial_fp32)
                     except Exception as e:  # an op graphamp cannot time alone keeps autocast's dtype
                         decisions[name] = low
                         unmeasured += 1
                         info(c.node).notes["autotune"] = {"chosen": short_dtype(low), "source": f"not measured: {type(e).__name__}: {e}"[:200]}
                         paid.update(n for n, kind in kinds.items() if kind == "fp32-cast")
                         continue
-                    cache.put(key, times)
+                    times = tuple(times)
+                    if settled:
+                        cache.put(key, times)
+                    else:
+                        unsettled[key] = times
                     timed_now.add(key)
                     measured += 1
                 source = "measured"
