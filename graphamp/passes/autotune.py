@@ -113,7 +113,7 @@ def _default_cache_path() -> str:
     root = os.environ.get("GRAPHAMP_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "graphamp"
     )
-    return os.path.join(root, "autotune-v1.json")
+    return os.path.join(root, "autotune-v2.json")  # v1 files may hold timings that never settled
 
 
 class MeasurementCache:
