@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import time
 from typing import Any
 
 import torch
@@ -13,8 +16,9 @@ from graphamp.config import Config
 from graphamp.emit import AmpModule, emit
 from graphamp.passes import build_pipeline, run_passes
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
-from graphamp.probe import eager_sdpa_calls
-from graphamp.spec import AmpSpec, autocast_off
+from graphamp.passes.autotune import PLAN_META, checks_accuracy
+from graphamp.probe import _state_restored, eager_sdpa_calls
+from graphamp.spec import AmpSpec, ambient_autocast, autocast_off
 
 __all__ = ["convert"]
 
@@ -108,7 +112,63 @@ def _convert(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, chec
     """
     with autocast_off():
         gm = _rewrite(model, args, kwargs, spec, check=check)
-        return emit(gm, model, spec, example=(args, kwargs))
+        amp = emit(gm, model, spec, example=(args, kwargs))
+    if spec.mode == "autotune" and spec.config.plan is None and checks_accuracy():
+        amp = _no_less_accurate(amp, model, args, kwargs, spec)
+    return amp
+
+
+def _no_less_accurate(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> AmpModule:
+    """Autotune's end-to-end check: on the example, the raised program's max error against fp32 is
+    at most eager autocast's; else every raise is undone (the plan replayed with autocast's dtypes).
+
+    Raising an op never makes that op less precise, but the ops after it round other values, so on
+    one input the error at the outputs can come out a little above autocast's.
+    """
+    plan = amp.meta.get(PLAN_META)
+    if plan is None or not plan.raised:
+        return amp
+    start = time.perf_counter()
+    try:
+        with _state_restored(model), torch.no_grad():  # buffers and RNG as they were, after
+            ref = _seeded(lambda: model(*args, **kwargs))
+            with ambient_autocast(spec.device_type, spec.dtype):
+                low = _seeded(lambda: model(*args, **kwargs))
+            tuned = _seeded(lambda: amp(*args, **kwargs))
+    except Exception as e:  # the check is advisory: a model that cannot run eagerly keeps its plan
+        amp.meta[PLAN_META] = dataclasses.replace(
+            plan, accuracy=f"error not checked ({type(e).__name__}: {str(e)[:120]})", check_s=time.perf_counter() - start
+        )
+        return amp
+    err_tuned, err_low = _max_error(tuned, ref), _max_error(low, ref)
+    errors = f"max error vs fp32 on the example {err_tuned:.3g}, eager autocast's {err_low:.3g}"
+    if err_tuned <= err_low:
+        amp.meta[PLAN_META] = dataclasses.replace(plan, accuracy=errors, check_s=time.perf_counter() - start)
+        return amp
+    undone = dataclasses.replace(plan, decisions=dict.fromkeys(plan.decisions, spec.dtype), accuracy=(
+        f"raises undone: with {len(plan.raised)} op(s) raised, {errors}"
+    ))
+    again = _convert(model, args, kwargs, dataclasses.replace(spec, config=dataclasses.replace(spec.config, plan=undone)))
+    again.meta[PLAN_META] = dataclasses.replace(undone, check_s=time.perf_counter() - start)
+    return again
+
+
+def _seeded(run: Any) -> Any:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the same dropout masks for each program
+        return run()
+
+
+def _max_error(out: Any, ref: Any) -> float:
+    """The largest absolute difference over the floating tensors of two outputs (inf for a new NaN)."""
+    worst = 0.0
+    for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(ref)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point() and a.numel():
+            diff = (a.double() - b.double()).abs()
+            if bool((diff.isnan() & ~b.isnan()).any()):
+                return math.inf
+            worst = max(worst, float(diff.nan_to_num(0.0).max()))
+    return worst
 
 
 def _rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> torch.fx.GraphModule:

@@ -79,6 +79,10 @@ class AutotunePlan:
     measured: int = 0
     cached: int = 0
     unmeasured: int = 0
+    # The end-to-end check on the example (graphamp.convert): the raised program's max error against
+    # fp32 beside eager autocast's, and whether the raises were undone; "" where it did not run.
+    accuracy: str = ""
+    check_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.device_type, str):
@@ -123,6 +127,7 @@ class AutotunePlan:
             f"autotune ({_dtype_name(self.dtype)}): {len(self.raised)} of {len(self.decisions)} low-precision ops raised "
             f"to fp32; measuring took {self.measure_s:.2f} s ({self.measured} op shapes timed, {self.cached} from the "
             f"cache, {self.unmeasured} left as autocast unmeasured: the budget was spent, or the op could not be timed alone)"
+            + (f"; {self.accuracy}" if self.accuracy else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,6 +145,8 @@ class AutotunePlan:
             "measured": self.measured,
             "cached": self.cached,
             "unmeasured": self.unmeasured,
+            "accuracy": self.accuracy,
+            "check_s": self.check_s,
         }
 
     @classmethod

@@ -46,8 +46,9 @@ def by_width(trial: Trial) -> float:
     return 1.0 if wide else 2.0
 
 
-def autotuned(model, args, timer, *, cache=None, **kw):
-    with measuring(timer=timer, cache=cache or MeasurementCache()):
+def autotuned(model, args, timer, *, cache=None, check_accuracy=False, **kw):
+    # The decisions under test are the timings'; the end-to-end error check has its own tests.
+    with measuring(timer=timer, cache=cache or MeasurementCache(), check_accuracy=check_accuracy):
         return graphamp.convert(model, args, mode="autotune", **kw)
 
 
@@ -416,3 +417,56 @@ def test_timings_that_never_settle_decide_now_but_are_not_cached(tmp_path):
     assert not MeasurementCache(path)._load()  # nothing disturbed was written for later conversions
     again = autotuned(model, (x,), FakeTimer(low_faster), cache=MeasurementCache(path))
     assert graphamp.AutotunePlan.of(again).measured == 2
+
+
+class Cancels(nn.Module):
+    """Autocast computes the same linear twice and subtracts: exactly 0, as fp32. Raising one of
+    the two (not the other) leaves the low copy's rounding error in the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) - self.lin(x)
+
+
+def first_op_fp32_faster():
+    seen = []
+
+    def rule(trial):  # a FakeTimer rule
+        seen.append(trial)
+        first = len(seen) <= 4  # the first op's rounds: (low, fp32) twice
+        return fp32_faster(trial) if first else low_faster(trial)
+
+    return rule
+
+
+def test_a_raised_program_less_accurate_than_autocast_on_the_example_is_undone():
+    torch.manual_seed(0)
+    model, x = Cancels().eval(), torch.randn(4, 8)
+    unchecked = autotuned(model, (x,), FakeTimer(first_op_fp32_faster()))
+    assert graphamp.AutotunePlan.of(unchecked).raised == ("linear",)
+    assert unchecked(x).abs().max() > 0  # the raised program: above autocast's error, which is 0
+    amp = autotuned(model, (x,), FakeTimer(first_op_fp32_faster()), check_accuracy=True)
+    plan = graphamp.AutotunePlan.of(amp)
+    assert plan.raised == () and plan.accuracy.startswith("raises undone: with 1 op(s) raised")
+    assert plan.times_ms["linear"] == (2000.0, 1000.0)  # what was measured stays on record
+    with torch.autocast("cpu", dtype=BF16):
+        assert torch.equal(amp(x), model(x))
+    assert "raises undone" in plan.summary()
+
+
+def test_the_accuracy_check_keeps_raises_that_are_no_less_accurate_and_touches_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 4)).train()
+    x = torch.randn(6, 8)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    rng = torch.get_rng_state()
+    amp = autotuned(model, (x,), FakeTimer(fp32_faster), check_accuracy=True)
+    plan = graphamp.AutotunePlan.of(amp)
+    assert plan.raised == ("linear", "linear_1") and plan.accuracy.startswith("max error vs fp32 on the example 0,")
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())  # batch-norm stats restored
+    assert torch.equal(torch.get_rng_state(), rng)
+    again = graphamp.AutotunePlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan

@@ -61,7 +61,7 @@ from graphamp.runtime import autocast_cached, autocast_op
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
 
-__all__ = ["MeasurementCache", "PLAN_META", "Trial", "autotune", "measuring", "wall_timer"]
+__all__ = ["MeasurementCache", "PLAN_META", "Trial", "autotune", "checks_accuracy", "measuring", "wall_timer"]
 
 PLAN_META = "graphamp_autotune_plan"  # gm.meta key (the module's, not a node's) holding the plan
 _log = logging.getLogger("graphamp")
@@ -180,6 +180,7 @@ class _Settings:
     cache: MeasurementCache | None = None
     budget_s: float = 3.0
     margin: float = 0.05
+    check_accuracy: bool = True
 
 
 _SETTINGS: contextvars.ContextVar[_Settings] = contextvars.ContextVar("graphamp_autotune", default=_Settings())
@@ -187,11 +188,14 @@ _SETTINGS: contextvars.ContextVar[_Settings] = contextvars.ContextVar("graphamp_
 
 @contextlib.contextmanager
 def measuring(
-    *, timer: Timer | None = None, cache: MeasurementCache | None = None, budget_s: float | None = None, margin: float | None = None
+    *, timer: Timer | None = None, cache: MeasurementCache | None = None, budget_s: float | None = None, margin: float | None = None,
+    check_accuracy: bool | None = None,
 ) -> Iterator[None]:
     """How autotune conversions in this block measure: ``timer(fn, trial) -> seconds per call``,
-    the ``cache`` of measurements, the ``budget_s`` of measuring per conversion, and the ``margin``
-    by which fp32 must be faster for an op to be raised.
+    the ``cache`` of measurements, the ``budget_s`` of measuring per conversion, the ``margin``
+    by which fp32 must be faster for an op to be raised, and whether ``convert`` checks the raised
+    program's error on the example against eager autocast's (``check_accuracy``, on by default;
+    off, the decisions are the timings' alone).
 
     >>> import graphamp
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
@@ -212,12 +216,26 @@ def measuring(
             cache=cache if cache is not None else current.cache,
             budget_s=current.budget_s if budget_s is None else float(budget_s),
             margin=current.margin if margin is None else float(margin),
+            check_accuracy=current.check_accuracy if check_accuracy is None else bool(check_accuracy),
         )
     )
     try:
         yield
     finally:
         _SETTINGS.reset(token)
+
+
+def checks_accuracy() -> bool:
+    """Whether autotune conversions here check the raised program's error (see :func:`measuring`)."""
+    return _SETTINGS.get().check_accuracy
+
+
+def _random_state_kept(device_type: str) -> contextlib.AbstractContextManager:
+    """The CPU generator's state (and the device's, where one is present) restored on exit."""
+    module = getattr(torch, device_type, None)
+    if device_type != "cpu" and module is not None and getattr(module, "is_available", lambda: False)():
+        return torch.random.fork_rng(device_type=device_type)
+    return torch.random.fork_rng(devices=[])
 
 
 def _hint(d: int | torch.SymInt) -> int:
@@ -602,7 +620,8 @@ def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model
     timed_now: set[str] = set()
     unsettled: dict[str, tuple[float, float]] = {}  # timings too disturbed to keep in the cache
     paid: set[Node] = set()  # casts down an op kept low makes, which later ops share for free
-    with torch.no_grad():
+    # Timed chains may hold dropout: the random state is the caller's again after measuring.
+    with torch.no_grad(), _random_state_kept(spec.device_type):
         for c in candidates:
             name, low = c.node.name, c.low
             key, kinds = c.classify(set(raised), paid)
