@@ -19,7 +19,7 @@ from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
 from graphamp.passes.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
-from graphamp.codegen import READ_METHOD, eager_body, hoist_state_reads
+from graphamp.codegen import READ_METHOD, bindings_of, eager_body, hoist_state_reads
 from graphamp.runtime import _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module
 
 if TYPE_CHECKING:
@@ -159,7 +159,8 @@ class AmpModule(GraphModule):
         with self._graph.on_generate_code(lambda _previous: hoist_state_reads):
             traceable = self._graph.python_code(root_module="self")
         self.__dict__[_TRACEABLE] = _forward_from_src(traceable.src, traceable.globals)
-        with self._graph.on_generate_code(lambda _previous: eager_body):
+        bindings = bindings_of(self._graph)
+        with self._graph.on_generate_code(lambda _previous: lambda body: eager_body(body, bindings)):
             return super().recompile()
 
     def refresh(self) -> None:

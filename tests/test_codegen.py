@@ -10,7 +10,7 @@ from torch import nn
 from torch.fx.graph import _format_target as fx_format_target
 
 import graphamp
-from graphamp.codegen import _format_target, _read_of, call_overloads_directly, hoist_state_reads
+from graphamp.codegen import _format_target, _read_of, binding_for, call_overloads_directly, hoist_state_reads
 from graphamp.runtime import read_state
 
 
@@ -80,7 +80,7 @@ def converted():
 def test_converted_code_reads_state_once_and_calls_overloads_directly(converted):
     model, x, amp = converted
     assert "self._graphamp_read(" in amp.code and "getattr(self.blocks" not in amp.code
-    assert "torch.ops.aten.linear.default._op(" in amp.code
+    assert "torch._C._nn.linear(" in amp.code
     assert torch.equal(amp(x), _eager(model, x))
 
 
@@ -149,3 +149,46 @@ def test_read_state_follows_module_attribute_order():
     assert values[3] is m.lin and values[4] == 2
     with pytest.raises(AttributeError):
         read_state(m, ("lin", "missing"))
+
+
+def _node(target, *args):
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 8)
+    y = g.placeholder("y")  # no value: as in a loaded module's graph
+    nodes = {"x": x, "y": y}
+    return g.call_function(target, tuple(nodes.get(a, a) if isinstance(a, str) else a for a in args))
+
+
+@pytest.mark.parametrize(
+    "target, args, binding",
+    [
+        (torch.ops.aten.add.Tensor, ("x", "x"), "torch._C._VariableFunctions.add"),
+        (torch.ops.aten.linear.default, ("x", "x"), "torch._C._nn.linear"),  # composite: same decomposition
+        (torch.ops.aten.sum.dim_IntList, ("x", [1]), "torch._C._VariableFunctions.sum"),
+        (torch.ops.aten.view.default, ("x", [32]), "torch._C.TensorBase.view"),
+        # torch.add(x, 2) would dispatch add.Tensor with a wrapped number, not add.Scalar.
+        (torch.ops.aten.add.Scalar, ("x", 2), None),
+        (torch.ops.aten.add_.Tensor, ("x", "x"), None),  # mutating ops keep the overload
+        (torch.ops.aten.tanh.default, ("y",), None),  # no fake value to probe with
+    ],
+)
+def test_a_binding_is_taken_only_where_it_dispatches_the_same_call(target, args, binding):
+    assert binding_for(_node(target, *args)) == binding
+
+
+def test_converted_code_calls_verified_bindings_and_the_rest_directly(converted):
+    model, x, amp = converted
+    assert "torch._C._nn.linear(" in amp.code and "torch._C._VariableFunctions.tanh(" in amp.code
+    assert "torch.ops.aten._to_copy.default._op(" in amp.code  # no binding of _to_copy
+    body = [line for line in amp.code.splitlines() if " = torch.ops." in line]
+    assert all("._op(" in line for line in body)
+
+
+def test_graphs_off_the_cpu_keep_their_overload_calls():
+    # A hand-written binding (Tensor.contiguous) takes a device guard the boxed call does not, which a
+    # CPU-only torch cannot for CUDA (verify's fake CUDA tensors): only CPU nodes get bindings.
+    node = _node(torch.ops.aten.add.Tensor, "x", "x")
+    assert binding_for(node) == "torch._C._VariableFunctions.add"
+    node.args[0].meta["val"] = torch.empty(4, 8, device="meta")  # a device other than the CPU
+    assert binding_for(node) is None
