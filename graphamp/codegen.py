@@ -166,7 +166,7 @@ def binding_for(node: Node) -> str | None:
         return None
     try:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _meta_of)
-    except _NoMeta:
+    except Exception:  # no fake value (a loaded module), or one the probe cannot rebuild
         return None
     key = (op, _kinds((args, kwargs)))
     with _BINDINGS_LOCK:
