@@ -1,19 +1,24 @@
-"""The converted module's Python code: its parameter and buffer reads hoisted into one call.
+"""The converted module's Python code, made cheaper to run: state reads in one call, ATen ops
+called without ``OpOverload.__call__``.
 
 FX writes a ``get_attr`` node as an attribute chain, ``getattr(self.blocks, "0").weight``: each
 link is a Python-level ``nn.Module.__getattr__`` call, about 0.7 us, so reading 48 weights costs
 ~100 us a call, more than many small models spend in their ops' overhead. :func:`hoist_state_reads`
 rewrites each run of consecutive ``get_attr`` lines of the generated code into one
 ``self._graphamp_read(...)`` (:func:`graphamp.runtime.read_state`), which walks the same module
-tree through its dictionaries on every call (~16 us for those 48). The graph is unchanged, so
-interpreters and passes see ``get_attr`` nodes as before, and every call reads the module's
+tree through its dictionaries on every call (~16 us for those 48). Every call reads the module's
 current state: replacing a parameter, ``load_state_dict(assign=True)``, ``_apply`` and swapped
 submodules are all seen.
 
-Only the code changes, and only lines that are exactly what FX writes for a ``get_attr``; a line in
-any other form (a future FX format, a type annotation) is left as FX wrote it, which is slower and
-as correct. A saved module stores FX's own code (``AmpModule.__reduce__``), so files do not depend
-on this rewrite.
+FX calls an op as ``torch.ops.aten.tanh.default(x)``: a Python frame (``OpOverload.__call__``) and
+the boxed dispatcher call, 0.6-1.6 us more than ``torch.tanh(x)``. :func:`call_overloads_directly`
+calls the Python binding where :func:`binding_for` verified it dispatches the same ATen call, else
+``OpOverload._op``. Dynamo cannot trace ``_op``: ``AmpModule`` runs code without it under dynamo.
+
+The graph is unchanged, so interpreters and passes see it as before. Only lines that are exactly
+what FX writes are rewritten; a line in any other form (a future FX format, a type annotation) is
+left as FX wrote it, which is slower and as correct. A saved module stores FX's own code
+(``AmpModule.__reduce__``), so files do not depend on these rewrites.
 """
 
 from __future__ import annotations
