@@ -52,6 +52,8 @@ def table(rows: list[bench.Row]) -> str:
             continue
         err = "-" if r.err_vs_fp32 is None else f"{r.err_vs_fp32:.3g} ({r.autocast_err_vs_fp32:.3g})"
         note = r.note.split(";")[0].removeprefix("autotune (bfloat16): ").removeprefix("autotune (float16): ") if r.note else ""
+        if "raises undone" in r.note:  # the accuracy check undid them (graphamp.convert)
+            note += ", then undone: error above autocast's"
         lines.append(
             f"| {r.model} | {r.variant} | {r.median_ms:.3f} | {r.vs_best:.2f} | {r.vs_autocast:.2f} | {err} | {note} |"
         )
