@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextvars
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ __all__ = ["AmpModule", "AmpInfo", "emit", "input_signature", "describe_signatur
 
 _GUARD = "_graphamp_guard"
 _TRACEABLE = "_graphamp_traceable"  # the forward dynamo traces (recompile)
+_BUILDING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_emit_building", default=False)
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,8 @@ class AmpModule(GraphModule):
         """FX's recompile, writing faster code (:mod:`graphamp.codegen`): ``self.code`` hoists the
         parameter reads and calls each ATen overload directly; under dynamo (``torch.compile`` of
         this module), which cannot trace the direct calls, calls run the same code without them."""
+        if _BUILDING.get():  # emit() recompiles once more when the module is complete
+            return super().recompile()
         with self._graph.on_generate_code(lambda _previous: hoist_state_reads):
             traceable = self._graph.python_code(root_module="self")
         self.__dict__[_TRACEABLE] = _forward_from_src(traceable.src, traceable.globals)
@@ -269,7 +273,11 @@ def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tup
             graph.call_module(_GUARD, tuple(placeholders))
     root = collections.OrderedDict((n.target, attr_of(gm, n.target)) for n in graph.find_nodes(op="get_attr"))
     root[_GUARD] = guard
-    amp = AmpModule(root, graph, class_name=type(model).__name__ + "Amp")
+    building = _BUILDING.set(True)
+    try:
+        amp = AmpModule(root, graph, class_name=type(model).__name__ + "Amp")
+    finally:
+        _BUILDING.reset(building)
     frozen = gm.meta.pop("graphamp_frozen", {})
     amp.meta.update(gm.meta)
     state = model.state_dict(keep_vars=True)
