@@ -20,7 +20,7 @@ from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
 from graphamp.passes.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
-from graphamp.codegen import READ_METHOD, bindings_of, eager_body, hoist_state_reads
+from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
 from graphamp.runtime import _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module
 
 if TYPE_CHECKING:
@@ -198,8 +198,8 @@ class AmpModule(GraphModule):
             )
         return super().train(mode)
 
-    # What the code's hoisted parameter reads call (graphamp.codegen): self is the root.
-    locals()[READ_METHOD] = read_state
+    # What the code's hoisted parameter reads call (graphamp.codegen.READ_METHOD): self is the root.
+    _graphamp_read = read_state
 
     # A saved record (a plain dict) as the node's NodeInfo again; the runtime calls it on load.
     node_info_from_saved = staticmethod(NodeInfo.from_dict)

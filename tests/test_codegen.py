@@ -10,7 +10,7 @@ from torch import nn
 from torch.fx.graph import _format_target as fx_format_target
 
 import graphamp
-from graphamp.codegen import _format_target, _read_of, binding_for, call_overloads_directly, hoist_state_reads
+from graphamp.codegen import READ_METHOD, _format_target, _read_of, binding_for, call_overloads_directly, hoist_state_reads
 from graphamp.runtime import read_state
 
 
@@ -79,6 +79,7 @@ def converted():
 
 def test_converted_code_reads_state_once_and_calls_overloads_directly(converted):
     model, x, amp = converted
+    assert getattr(type(amp), READ_METHOD) is read_state
     assert "self._graphamp_read(" in amp.code and "getattr(self.blocks" not in amp.code
     assert "torch._C._nn.linear(" in amp.code
     assert torch.equal(amp(x), _eager(model, x))
