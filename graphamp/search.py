@@ -148,6 +148,7 @@ def search(
 
     >>> import torch
     >>> from torch import nn
+    >>> _ = torch.manual_seed(0)  # an unseeded model and input pass validate now and then
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8))
     >>> with torch.no_grad():
     ...     _ = model[1].weight.mul_(1e5)
