@@ -18,7 +18,7 @@ from graphamp.errors import InputMismatchError
 from graphamp.spec import autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
-from graphamp.passes.node_info import NodeInfo, peek
+from graphamp.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
 from graphamp.runtime import _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module

@@ -20,7 +20,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from graphamp.capture import _dynamic_shapes
+from graphamp.capture.export import _dynamic_shapes
 from graphamp.config import Config
 from graphamp.convert import _rewrite, check_inputs
 from graphamp.errors import ExportError

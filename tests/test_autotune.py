@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphamp
 from graphamp.passes.autotune import MeasurementCache, Trial, measuring
-from graphamp.passes.node_info import peek
+from graphamp.node_info import peek
 from graphamp.testing import zoo
 
 BF16 = torch.bfloat16

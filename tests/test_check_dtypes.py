@@ -6,7 +6,7 @@ from torch import nn
 
 import graphamp
 from graphamp.passes import check_dtypes, insert_casts
-from graphamp.passes.node_info import peek
+from graphamp.node_info import peek
 from graphamp.policy import get_policy
 from graphamp.spec import AmpSpec
 from helpers import captured

@@ -10,7 +10,7 @@ from torch import nn
 
 import graphamp
 from graphamp.passes.fuse_encoder_layers import FUSED
-from graphamp.passes.node_info import peek
+from graphamp.node_info import peek
 from graphamp.runtime import autocast_op
 
 

@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import graphamp
 from graphamp.capture import capture
 from graphamp.passes import inline_regions
-from graphamp.passes.node_info import AutocastFrame, GradFrame, region_of
+from graphamp.node_info import AutocastFrame, GradFrame, region_of
 from graphamp.spec import AmpSpec
 from helpers import assert_exact
 

@@ -17,10 +17,10 @@ from torch._ops import _get_dispatch_mode_pre_dispatch
 from torch.fx import GraphModule, Interpreter
 from torch.fx.experimental.proxy_tensor import make_fx, track_tensor_tree
 
-from graphamp.capture import _below_tracer
+from graphamp.capture.functions import _below_tracer
 from graphamp.spec import ambient_autocast
 from graphamp.backend.fast_paths import composite_for
-from graphamp.passes.node_info import NodeInfo
+from graphamp.node_info import NodeInfo
 from graphamp.policy import Policy
 from graphamp.runtime import KeptGraphFunction, apply_graph_function, current_autocast_state
 

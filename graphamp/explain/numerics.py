@@ -28,7 +28,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
-from graphamp.passes.node_info import NodeInfo, peek
+from graphamp.node_info import NodeInfo, peek
 from graphamp.runtime import cached_cast
 from graphamp.verify.report import _errors
 

@@ -53,7 +53,7 @@ from graphamp.passes.dedupe_casts import dedupe_casts
 from graphamp.passes.fold_casts import fold_casts
 from graphamp.passes.graph_edit import attr_of, cast_source, is_graphamp_cast, tensor_dtype
 from graphamp.passes.insert_casts import _cast_slots, _Rewriter
-from graphamp.passes.node_info import info, peek
+from graphamp.node_info import info, peek
 from graphamp.plan import AutotunePlan, fingerprint
 from graphamp.policy import Category, op_key, short_dtype
 from graphamp.runtime import autocast_cached, autocast_op

@@ -24,7 +24,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes.graph_edit import attr_of, is_graphamp_cast
-from graphamp.passes.node_info import NodeInfo, peek
+from graphamp.node_info import NodeInfo, peek
 from graphamp.runtime import WeightCache, cached_cast
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.errors import PolicyDriftError
 from graphamp.passes.graph_edit import dtypes_of
-from graphamp.passes.node_info import info, peek
+from graphamp.node_info import info, peek
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec

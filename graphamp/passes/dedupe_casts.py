@@ -26,7 +26,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes.grad_analysis import grad_free_nodes, in_no_grad
 from graphamp.passes.graph_edit import attr_of, carried_meta, cast_source, has_mutating_user, is_graphamp_cast, tensor_dtype
-from graphamp.passes.node_info import peek
+from graphamp.node_info import peek
 from graphamp.runtime import autocast_cached
 
 if TYPE_CHECKING:

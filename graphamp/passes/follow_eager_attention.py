@@ -25,7 +25,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.errors import EagerPathWarning
 from graphamp.passes.graph_edit import carried_meta, fake_mode_of, recompute_val, val_of
-from graphamp.passes.node_info import info
+from graphamp.node_info import info
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec

@@ -7,7 +7,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from graphamp.passes.graph_edit import attr_of
-from graphamp.passes.node_info import GradFrame, region_of
+from graphamp.node_info import GradFrame, region_of
 
 __all__ = ["grad_free_nodes", "in_no_grad"]
 

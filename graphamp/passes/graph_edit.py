@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from graphamp.passes.node_info import NodeInfo, peek
+from graphamp.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
 
 __all__ = [

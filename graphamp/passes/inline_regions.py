@@ -22,7 +22,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.errors import CaptureError
 from graphamp.passes.graph_edit import inline_subgraph
-from graphamp.passes.node_info import AutocastFrame, GradFrame, NodeInfo, info, peek, region_of
+from graphamp.node_info import AutocastFrame, GradFrame, NodeInfo, info, peek, region_of
 from graphamp.runtime import set_grad_enabled
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ on fake tensors after every edit, ``getitem`` outputs included). For each op it 
 * a CompositeImplicitAutograd op that autocast does not list runs its decomposition with autocast
   still on, so when that decomposition holds listed ops the node is replaced by it.
 
-Each op node's :class:`~graphamp.passes.node_info.NodeInfo` gets its category, dtype and reason;
+Each op node's :class:`~graphamp.node_info.NodeInfo` gets its category, dtype and reason;
 each cast records why.
 """
 
@@ -48,7 +48,7 @@ from graphamp.passes.graph_edit import (
     recompute_val,
     val_of,
 )
-from graphamp.passes.node_info import AutocastFrame, info, region_of
+from graphamp.node_info import AutocastFrame, info, region_of
 from graphamp.policy import APPEND_DTYPE_TARGETS, Category, Policy, is_eligible, lstm_uses_onednn, op_key, promote_dtype
 
 if TYPE_CHECKING:

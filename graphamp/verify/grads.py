@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphamp.emit import AmpModule
 from graphamp.passes.graph_edit import is_graphamp_cast
-from graphamp.passes.node_info import peek
+from graphamp.node_info import peek
 from graphamp.policy import short_dtype
 from graphamp.verify.report import GradCheck, GradDivergence, _equal_nan, _errors
 from graphamp.verify.signatures import _is_passthrough, _op_name, _type_name

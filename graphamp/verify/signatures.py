@@ -12,7 +12,7 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from graphamp.policy import short_dtype
-from graphamp.passes.node_info import NodeInfo, peek
+from graphamp.node_info import NodeInfo, peek
 from graphamp.verify.report import Divergence
 
 

@@ -1,0 +1,107 @@
+"""Capture a model as a pre-dispatch ATen graph, the level at which autocast itself intercepts ops.
+
+The capture runs ``torch.export.export`` (non-strict) *under the same ambient autocast* that eager
+would use. Pre-dispatch tracing records each op above the autocast dispatch key, so the graph holds
+no autocast casts, while Python code that reads the autocast state (``custom_fwd``, modules that
+build tensors with the running dtype) takes the same branch as under eager autocast. Each node's
+``meta["val"]`` therefore carries the dtype eager autocast produced, which the exact-mode drift
+check compares against.
+
+Export traces *through* a custom ``torch.autograd.Function``: the graph would hold its forward's
+ops, and autograd would differentiate those instead of calling the Function's own ``backward``
+(a straight-through estimator would train with zero gradients). So while exporting, each
+``Function.apply`` is recorded as one opaque node: its forward runs below the tracer, on fake
+tensors and under the live autocast state (which gives the node eager's output dtypes), and the
+node becomes a call of :func:`graphamp.runtime.apply_function`, which applies the Function at run
+time under that same autocast state, as eager does.
+
+The package: ``export`` (torch.export with dynamic shapes), ``torchscript`` (models holding
+ScriptModules), ``functions`` (kept custom autograd Functions).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from graphamp.capture.export import _describe, _dynamic_shapes, _export, _is_autocast_rejection, _model_ranges
+from graphamp.capture.functions import _bind_kept_functions
+from graphamp.capture.torchscript import script_graph
+from graphamp.errors import BannedOpError, CaptureError, EagerPathWarning, GraphampError, PromoteTypeError
+from graphamp.spec import ambient_autocast
+
+__all__ = ["capture", "ambient_autocast", "script_graph"]
+
+
+def capture(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    device_type: str,
+    dtype: torch.dtype,
+    grads: bool = True,
+) -> torch.fx.GraphModule:
+    """Export ``model`` under autocast(device_type, dtype) and return the unlifted graph module.
+
+    ``grads=False`` declares that no gradient will be taken through the result (inference, export).
+
+    Parameters and buffers are attributes of the returned module (the model's own objects),
+    inputs and outputs keep their pytree structure, and batch/sequence dims are symbolic.
+    A model holding a ``torch.jit.ScriptModule`` is first traced to a plain graph (``script_graph``).
+    """
+    if any(isinstance(m, torch.jit.ScriptModule) for m in model.modules()):
+        model = script_graph(model, args, kwargs, device_type=device_type, dtype=dtype, grads=grads)
+    try:
+        dynamic_shapes = _dynamic_shapes(model, args, kwargs)
+        try:
+            ep, keeper = _export(model, args, kwargs, dynamic_shapes, device_type, dtype, eager_flags=True)
+        except GraphampError:
+            raise
+        except Exception as e:
+            if _is_autocast_rejection(e):
+                raise
+            # The model's eager path cannot be traced (it reads tensor values where its compile
+            # path does not): take the path torch.export and torch.compile take, and say so.
+            ep, keeper = _export(model, args, kwargs, dynamic_shapes, device_type, dtype, eager_flags=False)
+            warnings.warn(
+                f"graphamp traced {type(model).__name__} as torch.export sees it (torch.compiler."
+                "is_compiling() True), because its eager path could not be traced: "
+                f"{str(e).strip().splitlines()[0][:200]}. Where the model's code takes another "
+                "path when compiling, gradients (rarely values) may differ from eager autocast; "
+                "graphamp.verify(model, args, grads=True) checks it.",
+                EagerPathWarning,
+                stacklevel=3,
+            )
+    except GraphampError:
+        raise
+    except Exception as e:
+        if "unsafe to autocast" in str(e):
+            raise BannedOpError(
+                f"{type(model).__name__} calls torch.nn.functional.binary_cross_entropy (or nn.BCELoss), "
+                f"which {device_type} autocast bans as unsafe, as eager autocast does. Way out: use "
+                "torch.nn.functional.binary_cross_entropy_with_logits or nn.BCEWithLogitsLoss, which "
+                "combine the sigmoid and the loss and are safe to autocast."
+            ) from e
+        if "at::autocast::prioritize" in str(e):
+            raise PromoteTypeError(
+                f"{type(model).__name__} passes two different lower-precision dtypes to one promote-list "
+                "op (cat, stack, index_copy, ...), which eager autocast rejects too ('Unexpected floating "
+                "ScalarType in at::autocast::prioritize'). Way out: cast the operands to one dtype first."
+            ) from e
+        construct, way_out = _describe(e)
+        raise CaptureError(
+            f"graphamp could not capture {type(model).__name__} with torch.export: {construct}. "
+            f"Way out: {way_out}."
+        ) from e
+    gm = ep.module(check_guards=False)
+    # check_guards=False installs input checks as a forward pre-hook; graphamp emits its own.
+    gm._forward_pre_hooks.clear()
+    gm._forward_pre_hooks_with_kwargs.clear()
+    gm.meta["range_constraints"], gm.meta["range_reasons"] = _model_ranges(ep)
+    if keeper.kept:
+        _bind_kept_functions(gm, keeper.kept)
+    return gm
+

@@ -1,0 +1,204 @@
+"""Capture with torch.export: dynamic shapes, eager flags, quiet failures and the ranges a model imposes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch import nn
+from torch.export import Dim, ShapesCollection
+from torch.utils import _pytree as pytree
+
+from graphamp.capture.functions import _FunctionKeeper
+from graphamp.spec import ambient_autocast
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    # Every dim of every tensor input may vary; export keeps static what the model pins down.
+    shapes = ShapesCollection()
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            shapes[leaf] = {i: Dim.AUTO for i in range(leaf.dim())}
+    return shapes.dynamic_shapes(model, args, kwargs)
+
+
+def _describe(e: BaseException) -> tuple[str, str]:
+    """The construct that stopped the capture, and the way out, from torch's exception."""
+    text = f"{type(e).__name__}: {e}"
+    first = text.strip().splitlines()[0][:300]
+    lowered = text.lower()
+    if "data-dependent" in lowered or "data dependent" in lowered or "guardondatadependent" in lowered:
+        return (
+            f"data-dependent control flow or shape (a Python branch on a tensor's value): {first}",
+            "make the branch independent of tensor values (torch.cond, torch.where), or use "
+            "torch.compile(model, backend=\"graphamp\"), which splits the graph there",
+        )
+    if "constraint" in lowered or "specializ" in lowered or "dynamic" in lowered:
+        return (
+            f"a shape the example inputs cannot vary: {first}",
+            "pass example inputs whose batch and sequence sizes are at least 2 and differ from "
+            "the other dims, or use torch.compile(model, backend=\"graphamp\")",
+        )
+    return (
+        first,
+        "check that model(*args, **kwargs) runs eagerly with these example inputs; if it does, "
+        "use torch.compile(model, backend=\"graphamp\"), which handles graph breaks",
+    )
+
+
+
+# Where torch's fake kernels and decompositions guard on sizes: to pick a memory format or a
+# kernel, which the converted graph does not record (its ops pick again at run time), or to check
+# sizes an op rejects at run time anyway, as in eager.
+_KERNEL_FILES = tuple(
+    os.path.join(os.path.dirname(torch.__file__), *part.split("/"))
+    for part in ("_subclasses/fake_impls.py", "_meta_registrations.py", "_refs/", "_prims/", "_decomp/", "_prims_common/")
+)
+
+
+def _model_ranges(ep: torch.export.ExportedProgram) -> tuple[dict, dict[str, str]]:
+    """export's range of each symbolic size, except that bounds only torch's kernels imposed are
+    lifted to 1: a conv's fake kernel asks for batch > 1 to choose a memory format (so export
+    pins batch to [2, inf)), while the model's own code takes batch 1 and eager runs it. Also,
+    per size the model's code constrains, the first such condition and where it is."""
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    ranges = dict(ep.range_constraints)
+    vals = pytree.tree_leaves([n.meta.get("val") for n in ep.graph.nodes])
+    fake = next((v for v in vals if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)), None)
+    shape_env = fake.fake_mode.shape_env if fake is not None else None
+    if shape_env is None:
+        return ranges, {}
+    by_model: dict = {}
+    for guard in shape_env.guards:
+        where = getattr(guard.sloc, "framework_loc", None)
+        filename = str(getattr(where, "filename", where) or "")
+        if not filename.startswith(_KERNEL_FILES):
+            line = f"{os.path.basename(filename)}:{getattr(where, 'lineno', '?')}" if filename else "the model's code"
+            for sym in guard.expr.free_symbols:
+                by_model.setdefault(sym, f"{guard.expr} at {line}")
+    reasons = {}
+    for sym, vr in ranges.items():
+        if sym in by_model:
+            reasons[str(sym)] = by_model[sym]
+        elif getattr(vr.lower, "is_Integer", False) and int(vr.lower) > 1:
+            ranges[sym] = ValueRanges(1, vr.upper)
+    return ranges, reasons
+
+
+def _is_autocast_rejection(e: BaseException) -> bool:
+    return "unsafe to autocast" in str(e) or "at::autocast::prioritize" in str(e)
+
+
+def _export(
+    model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, device_type: str, dtype: torch.dtype,
+    *, eager_flags: bool,
+) -> tuple[torch.export.ExportedProgram, _FunctionKeeper]:
+    keeper = _FunctionKeeper()
+    # backed_size_oblivious lets a dim traced at size >= 2 also accept size 1 at run time
+    # (batch 1 inference) instead of pinning the range to [2, inf).
+    with (
+        fx_config.patch(backed_size_oblivious=True),
+        ambient_autocast(device_type, dtype),
+        warnings.catch_warnings(),
+        _quiet_on_failure(),
+        _eager_flags(model) if eager_flags else contextlib.nullcontext(),
+        keeper,
+    ):
+        # nn.RNN* re-assign _flat_weights during tracing; export warns about it, harmlessly.
+        warnings.filterwarnings("ignore", message=".*were assigned during export.*")
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    return ep, keeper
+
+
+@contextlib.contextmanager
+def _eager_flags(model: nn.Module) -> Iterator[None]:
+    """Inside ``model``'s forward, ``torch.compiler.is_compiling()`` and ``is_exporting()`` say False.
+
+    Model code reads them to take another, forward-equivalent program when compiled
+    (transformers materialises attention masks and broadcasts position biases over the batch),
+    whose gradients round differently. graphamp's module replaces eager execution, so it traces
+    the eager program. Export's own machinery, outside the forward, still sees its flags.
+    """
+
+    def enter(module: nn.Module, args: Any) -> None:
+        saved.append((torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag))
+        torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = False
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if saved:
+            torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = saved.pop()
+
+    saved: list[tuple[bool, bool]] = []
+    # Hooks on the model for the duration of the capture only: they are removed before returning.
+    handles = [model.register_forward_pre_hook(enter, prepend=True), model.register_forward_hook(leave, always_call=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _quiet_on_failure() -> Iterator[None]:
+    """Hold what is printed while exporting; on failure drop torch.export's dump of the partial
+    graph (printed once per export layer, before the exception reaches graphamp), keep the rest.
+
+    graphamp's CaptureError says what failed and the way out; the dump would bury it.
+    """
+    held: list[tuple[Any, str]] = []
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Held(out, held), _Held(err, held)
+    failure: BaseException | None = None
+    try:
+        yield
+    except BaseException as e:
+        failure = e
+        raise
+    finally:
+        sys.stdout, sys.stderr = out, err
+        dumps = _partial_graphs(failure)
+        after_dump = False
+        for stream, text in held:
+            if text in dumps or (after_dump and text == "\n"):
+                after_dump = text in dumps
+                continue
+            after_dump = False
+            stream.write(text)
+
+
+class _Held:
+    """A stand-in for sys.stdout/sys.stderr that keeps writes, in order, for later."""
+
+    def __init__(self, stream: Any, held: list[tuple[Any, str]]) -> None:
+        self._stream = stream
+        self._held = held
+
+    def write(self, text: str) -> int:
+        self._held.append((self._stream, text))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _partial_graphs(e: BaseException | None) -> set[str]:
+    dumps: set[str] = set()
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if hasattr(e, "partial_fx_graph"):
+            dumps.add(str(e.partial_fx_graph))
+        e = e.__cause__ or e.__context__
+    return dumps
+
+
