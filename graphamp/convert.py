@@ -18,6 +18,7 @@ from graphamp.passes import build_pipeline, run_passes
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.passes.autotune import PLAN_META, checks_accuracy
 from graphamp.probe import _state_restored, eager_sdpa_calls
+from graphamp.self_check import SELF_CHECK_META, applies, check_against_eager, check_self_check
 from graphamp.spec import AmpSpec, ambient_autocast, autocast_off
 
 __all__ = ["convert"]
@@ -44,6 +45,7 @@ def convert(
     config: Config | None = None,
     inference: bool = False,
     keep_io_types: bool = False,
+    self_check: str | bool = "raise",
 ) -> AmpModule:
     """Rewrite ``model`` into explicit mixed precision, equal to running it under ``torch.autocast``.
 
@@ -64,6 +66,14 @@ def convert(
         keep_io_types: an fp32 interface: floating inputs the example gave in bf16/fp16 are taken
             in fp32 and cast inside the graph, and bf16/fp16 floating outputs are returned in fp32
             (values equal eager autocast's outputs ``.float()``).
+        self_check: in exact mode (autocast's own policy), the converted module and eager
+            ``torch.autocast`` run the example once more, from the same random state with buffers
+            restored, and every output value and dtype and (unless ``inference``) every parameter
+            gradient of a fixed loss must be bitwise equal. "raise" (default) raises
+            :class:`graphamp.PolicyDriftError` naming what differs and the first divergent node;
+            "warn" warns :class:`graphamp.PolicyDriftWarning` and returns the module; "off" skips
+            it (for conversions in a loop; ``graphamp.verify`` checks on demand). What it found is
+            in ``amp.meta["graphamp.self_check"]``.
 
     Returns:
         An :class:`AmpModule`: a GraphModule with the casts in its code, sharing the model's
@@ -77,13 +87,17 @@ def convert(
     >>> assert torch.equal(amp(x), expected)
     """
     args, kwargs = check_inputs(model, args, kwargs, "graphamp.convert")
+    on_drift = check_self_check(self_check)
     spec = AmpSpec.resolve(
         model, (args, kwargs), dtype=dtype, device_type=device_type, mode=mode, inference=inference, config=config,
         keep_io_types=keep_io_types,
     )
     if spec.mode == "exact":
         hardware.warn_if_emulated(spec.device_type, spec.dtype)
-    return _convert(model, args, kwargs, spec)
+    amp = _convert(model, args, kwargs, spec)
+    if on_drift != "off" and applies(spec, model, args, kwargs):
+        amp.meta[SELF_CHECK_META] = check_against_eager(amp, model, args, kwargs, spec, on_drift=on_drift)
+    return amp
 
 
 def check_inputs(model: object, args: object, kwargs: object, frontend: str) -> tuple[tuple, dict]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "InputMismatchError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError"]
 
 
 class GraphampError(Exception):
@@ -38,11 +38,25 @@ class PromoteTypeError(GraphampError, RuntimeError):
 
 
 class PolicyDriftError(GraphampError, RuntimeError):
-    """In exact mode, a node's dtype disagrees with what eager autocast gave it during capture."""
+    """In exact mode, the conversion disagrees with eager autocast: a node's dtype differs from what
+    eager gave it during capture, or convert's self-check finds an output, output dtype or gradient
+    that differs on the example."""
+
+
+class PolicyDriftWarning(UserWarning):
+    """``convert(..., self_check="warn")`` found a difference from eager autocast on the example (the
+    module is returned anyway), or could not run the check."""
 
 
 class InputMismatchError(GraphampError, ValueError):
     """A converted module was called with inputs its graph was not converted for."""
+
+
+class InputShapeError(InputMismatchError):
+    """An input's size is outside the shape class a converted graph holds (a size the capture made
+    static, or a range the model's code bounds). A converted module converts again for a new shape
+    class on first use; this is raised where it cannot (the model runs no such shape, the module
+    was loaded without its model, or it holds as many shape classes as it may)."""
 
 
 class DeviceMismatchError(GraphampError, ValueError):

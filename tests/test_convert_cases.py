@@ -221,9 +221,12 @@ def test_lstm_on_fp32_input(proj_size, dtype):
         assert graphamp.verify(model, args, dtype=dtype).ok
         return
     # With projections eager runs native C++ cells graphamp does not reproduce step for step: it
-    # says so, and only the projection weights' gradients may round differently.
-    with pytest.warns(graphamp.EagerPathWarning, match="proj_size"):
-        amp = graphamp.convert(model, args, dtype=dtype)
+    # says so, and only the projection weights' gradients may round differently. The self-check
+    # finds that difference on the example: it raises, unless asked to warn.
+    with pytest.warns(graphamp.EagerPathWarning, match="proj_size"), pytest.raises(graphamp.PolicyDriftError, match="weight_hr"):
+        graphamp.convert(model, args, dtype=dtype)
+    with pytest.warns(graphamp.EagerPathWarning, match="proj_size"), pytest.warns(graphamp.PolicyDriftWarning, match="weight_hr"):
+        amp = graphamp.convert(model, args, dtype=dtype, self_check="warn")
     ref, ref_grads = run_eager(model, args, {}, dtype, grads=True)
     out, out_grads = run_converted(amp, model, args, {}, grads=True)
     assert_same_outputs(out, ref)

@@ -27,6 +27,7 @@ from torch import nn
 
 from graphamp.config import Config
 from graphamp.convert import check_inputs
+from graphamp.emit import AmpModule
 from graphamp.policy import short_dtype
 from graphamp.spec import AmpSpec, autocast_off
 from graphamp.verify.report import Divergence, GradCheck, GradDivergence, OutputCheck, Report, _compare_outputs
@@ -86,6 +87,15 @@ def verify(
     >>> assert report.ok and [g.name for g in report.grads][-2:] == ["0.norm.bias", "args[0]"]
     """
     args, kwargs = check_inputs(model, args, kwargs, "graphamp.verify")
+    return _verify(model, args, kwargs, dtype=dtype, device_type=device_type, mode=mode, config=config, grads=grads)
+
+
+def _verify(
+    model: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype | str | None, device_type: str | None, mode: str,
+    config: Config | None, grads: bool, amp: AmpModule | None = None,
+) -> Report:
+    """verify's body; ``amp``, a conversion of ``model`` already made (convert's self-check), is
+    checked as it is instead of converting again."""
     if not isinstance(grads, bool):
         raise TypeError(f"grads must be True or False, got {grads!r}")
     # No device check: a CPU model under the CUDA policy is checked on fake CUDA tensors.
@@ -105,7 +115,7 @@ def verify(
         if fake:
             sides = _run_fake_cuda(model, args, kwargs, dtype, mode, config)
         else:
-            sides = _run_real(model, args, kwargs, dtype, device_type, mode, config)
+            sides = _run_real(model, args, kwargs, dtype, device_type, mode, config, amp=amp)
             if grads:
                 grad_checks, grad_divergence, grad_notes = _check_grads(model, sides.amp, args, kwargs, device_type, dtype)
     graphamp_ops = op_signatures(sides.graphamp_graph)

@@ -133,8 +133,11 @@ class _Sides(NamedTuple):
     notes: list[str]
 
 
-def _run_real(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, device_type: str, mode: str, config: Config | None) -> _Sides:
-    amp, notes = _convert(model, args, kwargs, dtype, device_type, mode, config)
+def _run_real(
+    model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, device_type: str, mode: str, config: Config | None,
+    amp: AmpModule | None = None,
+) -> _Sides:
+    amp, notes = (amp, []) if amp is not None else _convert(model, args, kwargs, dtype, device_type, mode, config)
     devices = [torch.device(device_type, i) for i in range(torch.cuda.device_count())] if device_type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         # Same random stream on both sides, so dropout draws the same masks.

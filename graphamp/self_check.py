@@ -1,0 +1,217 @@
+"""Convert's own check: on the example, the converted module against eager autocast, bit for bit.
+
+The passes follow autocast's tables, and every node's dtype is checked against what eager gave it
+during capture; still, a capture can hold another program than eager runs (a model that branches
+on ``torch.compiler.is_exporting()``, an op decomposed above the autocast key), and gradients can
+round differently where values agree. So exact-mode ``convert`` runs the example once more on both
+sides, from the same random state with buffers restored, and compares every output's value and
+dtype and, where the conversion keeps a gradient path, every parameter's gradient of a fixed loss.
+A difference raises :class:`~graphamp.errors.PolicyDriftError` (or warns, on request) naming
+what differs and the first divergent node that :func:`graphamp.verify` finds; it is never silent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from graphamp.errors import PolicyDriftError, PolicyDriftWarning
+from graphamp.spec import AmpSpec, autocast_off
+
+__all__ = ["SELF_CHECKS", "SELF_CHECK_META", "SelfCheck", "check_against_eager", "check_self_check"]
+
+# "raise": a difference raises PolicyDriftError; "warn": it warns PolicyDriftWarning and the module
+# is returned; "off": no check (for users who convert in a loop and verify once).
+SELF_CHECKS = ("raise", "warn", "off")
+SELF_CHECK_META = "graphamp.self_check"
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfCheck:
+    """What convert's self-check compared and found, kept in ``amp.meta["graphamp.self_check"]``."""
+
+    # True: every output value and dtype (and gradient, if compared) equal to eager autocast's.
+    ok: bool
+    # Whether parameter gradients of a fixed loss were compared too (not for inference=True).
+    grads: bool
+    # Seconds the check took (both runs, and on a difference the search for the divergent node).
+    seconds: float
+    # What differs, empty when ok.
+    problem: str = ""
+
+
+def check_self_check(self_check: object) -> str:
+    if self_check is True:
+        return "raise"
+    if self_check is False or self_check is None:
+        return "off"
+    if not isinstance(self_check, str) or self_check not in SELF_CHECKS:
+        raise ValueError(
+            f"self_check={self_check!r} is not one of {SELF_CHECKS}: 'raise' (default) raises PolicyDriftError "
+            "where the converted module differs from eager autocast on the example, 'warn' warns instead, "
+            "'off' skips the check"
+        )
+    return self_check
+
+
+def applies(spec: AmpSpec, model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Exact mode with autocast's own policy on real tensors: the only case that promises equality."""
+    if not spec.check or spec.target != "module":
+        return False
+    tensors = [*model.parameters(), *model.buffers(), *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
+    return not any(isinstance(t, torch._subclasses.fake_tensor.FakeTensor) or t.device.type == "meta" for t in tensors)
+
+
+def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, on_drift: str) -> SelfCheck:
+    """Run the example through ``amp`` and through ``model`` under eager autocast; raise or warn on
+    any difference (``on_drift``), and return what was compared."""
+    start = time.perf_counter()
+    grads = not spec.inference and any(p.requires_grad for p in model.parameters())
+    try:
+        ref = _run(lambda: _autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=spec.inference)
+    except Exception as e:  # the model itself cannot run eagerly here: nothing to compare against
+        problem = f"not checked: eager autocast could not run the example ({type(e).__name__}: {str(e).strip()[:200]})"
+        warnings.warn(f"graphamp.convert's self-check was skipped: {problem}", PolicyDriftWarning, stacklevel=3)
+        return SelfCheck(ok=True, grads=False, seconds=time.perf_counter() - start, problem=problem)
+    try:
+        got = _run(lambda: amp(*args, **kwargs), model, grads=grads, no_grad=spec.inference)
+    except Exception as e:
+        raise PolicyDriftError(
+            f"graphamp.convert's self-check: the converted {type(model).__name__} fails on the example that eager "
+            f"autocast runs ({type(e).__name__}: {str(e).strip()[:300]}). This is a graphamp bug; please report it. "
+            "Way out meanwhile: torch.compile(model, backend=\"graphamp\"), or eager torch.autocast."
+        ) from e
+    problem = _difference(got, ref, keep_io_types=spec.keep_io_types)
+    if not problem:
+        return SelfCheck(ok=True, grads=grads, seconds=time.perf_counter() - start)
+    where = _first_divergence(amp, model, args, kwargs, spec, grads=grads and problem.startswith("gradient"))
+    message = (
+        f"graphamp.convert's self-check: the converted {type(model).__name__} differs from eager torch.autocast"
+        f"({spec.device_type}, {spec.dtype}) on the example: {problem}.{where} Way out: report it (it is a graphamp "
+        "bug); meanwhile use eager torch.autocast for this model, or torch.compile(model, backend=\"graphamp\") "
+        "and check it with graphamp.verify(model, args, grads=True); convert(..., self_check='warn') returns "
+        "the module anyway."
+    )
+    result = SelfCheck(ok=False, grads=grads, seconds=time.perf_counter() - start, problem=problem)
+    if on_drift == "raise":
+        raise PolicyDriftError(message)
+    warnings.warn(message, PolicyDriftWarning, stacklevel=3)
+    return result
+
+
+class _Side:
+    """One side's outputs (detached) and gradients of the fixed loss, by parameter name."""
+
+    def __init__(self, outputs: Any, grads: dict[str, torch.Tensor | None]) -> None:
+        self.outputs = outputs
+        self.grads = grads
+
+
+def _autocast_call(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> Any:
+    with torch.autocast(spec.device_type, dtype=spec.dtype):
+        return model(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _same_start(model: nn.Module) -> Iterator[None]:
+    """Both sides start from the same random state and buffers, and leave both as they found them."""
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    with torch.random.fork_rng(devices=[]), autocast_off():
+        torch.manual_seed(0)  # the same dropout masks on each side
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    if name in saved:
+                        b.copy_(saved[name])
+
+
+def _run(call: Callable[[], Any], model: nn.Module, *, grads: bool, no_grad: bool) -> _Side:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad] if grads else []
+    with _same_start(model), (torch.no_grad() if no_grad else torch.enable_grad()):
+        out = call()
+        values = {}
+        if named:
+            loss = _loss(out)
+            if loss.requires_grad:
+                found = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+                values = {n: g for (n, _), g in zip(named, found)}
+    return _Side(pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), values)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    """verify's fixed loss: every floating output, position-weighted, summed in fp32."""
+    total = torch.zeros((), dtype=torch.float32)
+    floats = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    for i, t in enumerate(floats):
+        w = torch.linspace(-1, 1, t.numel(), dtype=torch.float32, device=t.device).reshape(t.shape) * (i + 1)
+        total = total + (t.float() * w).sum().to(total.device)
+    return total
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and (torch.equal(a, b) or (a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())))
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape or not a.is_floating_point() or not b.is_floating_point():
+        return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    return f"max abs difference {float((a.double() - b.double()).abs().nan_to_num(float('inf')).max()):.3g}"
+
+
+def _difference(got: _Side, ref: _Side, *, keep_io_types: bool) -> str:
+    """The first difference between the two sides, in words; empty if none."""
+    got_leaves = pytree.tree_leaves_with_path(got.outputs)
+    ref_leaves = pytree.tree_leaves_with_path(ref.outputs)
+    if len(got_leaves) != len(ref_leaves):
+        return f"the output has {len(got_leaves)} leaves, eager's has {len(ref_leaves)}"
+    for (path, a), (_, b) in zip(got_leaves, ref_leaves):
+        name = "output" + pytree.keystr(path)
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return f"{name} is a {type(a).__name__}, eager's is a {type(b).__name__}"
+        if not isinstance(a, torch.Tensor):
+            if a != b and not (a != a and b != b):  # NaN floats compare unequal to themselves
+                return f"{name} is {a!r}, eager's is {b!r}"
+            continue
+        if keep_io_types and b.dtype in (torch.bfloat16, torch.float16) and a.dtype == torch.float32:
+            b = b.float()  # keep_io_types returns low-precision outputs in fp32, by request
+        if a.dtype != b.dtype:
+            return f"{name} comes back {a.dtype}, eager autocast gives {b.dtype}"
+        if not _equal(a, b):
+            return f"{name} differs ({_max_abs(a, b)})"
+    for name, want in ref.grads.items():
+        have = got.grads.get(name)
+        if (have is None) != (want is None):
+            return f"gradient of {name} is {'missing' if have is None else 'present'} where eager's is {'present' if want is not None else 'missing'}"
+        if have is not None and not _equal(have, want):
+            return f"gradient of {name} differs ({_max_abs(have, want)})"
+    return ""
+
+
+def _first_divergence(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, grads: bool) -> str:
+    """verify's first divergent node of this very conversion, as a sentence."""
+    from graphamp.verify import _verify
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = _verify(
+                model, args, kwargs, dtype=spec.dtype, device_type=spec.device_type, mode=spec.mode, config=spec.config,
+                grads=grads, amp=amp,
+            )
+    except Exception as e:  # locating is a courtesy; the difference itself is already established
+        return f" (graphamp.verify could not locate the first divergent node: {type(e).__name__}: {str(e).strip()[:150]})"
+    if report.divergence is not None:
+        return f" First divergent node: {report.divergence.describe()}."
+    if report.grad_divergence is not None:
+        return f" First divergent backward node: {report.grad_divergence.describe()}."
+    return " graphamp.verify finds no op whose dtypes differ: the capture holds another program than eager runs."

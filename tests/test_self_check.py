@@ -1,0 +1,148 @@
+"""convert's self-check: a conversion that differs from eager autocast on the example raises (or warns)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import graphamp
+from graphamp.config import Config
+from graphamp.self_check import SELF_CHECK_META
+
+# graphamp.convert is the function; the module is graphamp's conversion core.
+convert_module = sys.modules["graphamp.convert"]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x))
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exact_conversion_records_a_passing_check_with_gradients(dtype: torch.dtype) -> None:
+    amp = graphamp.convert(Block(), (_x(),), dtype=dtype)
+    check = amp.meta[SELF_CHECK_META]
+    assert check.ok and check.grads and check.problem == "" and check.seconds > 0
+
+
+def test_inference_checks_values_only() -> None:
+    check = graphamp.convert(Block(), (_x(),), inference=True).meta[SELF_CHECK_META]
+    assert check.ok and not check.grads
+
+
+def test_the_check_leaves_the_model_and_random_state_alone() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    graphamp.convert(model, (_x(),))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _with_wrong_policy(monkeypatch: pytest.MonkeyPatch, overrides: dict) -> None:
+    """Make the conversion core build a graph under another policy than the one checked: a stand-in
+    for a graphamp bug, which the self-check must catch without knowing where it is."""
+    real = convert_module._convert
+
+    def wrong(model, args, kwargs, spec, **kw):
+        bad = dataclasses.replace(spec, config=Config(op_overrides=overrides))
+        return real(model, args, kwargs, bad, **kw)
+
+    monkeypatch.setattr(convert_module, "_convert", wrong)
+
+
+class ExpThenLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.exp(x))
+
+
+def _sandwich() -> nn.Module:
+    return ExpThenLinear()
+
+
+def test_a_value_difference_raises_and_names_the_first_divergent_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_wrong_policy(monkeypatch, {"exp": "lower_precision_fp"})  # eager runs exp on the fp32 input
+    with pytest.raises(graphamp.PolicyDriftError, match=r"output differs \(max abs .*First divergent node:.*node exp "):
+        graphamp.convert(_sandwich(), (_x(),))
+
+
+def test_a_gradient_only_difference_names_the_node_it_starts_at(monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_wrong_policy(monkeypatch, {"layer_norm": "lower_precision_fp"})  # same values, weight cast to fp16
+    with pytest.raises(graphamp.PolicyDriftError, match=r"(?s)gradient of proj.weight differs.*First divergent node:.*layer_norm"):
+        graphamp.convert(Block(), (_x(),), dtype=torch.float16)
+
+
+def test_a_dtype_difference_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_wrong_policy(monkeypatch, {"linear": None})  # linear left in fp32: the output comes back fp32
+    model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(graphamp.PolicyDriftError, match=r"comes back torch.float32, eager autocast gives torch.bfloat16"):
+        graphamp.convert(model, (_x(),))
+
+
+def test_a_gradient_only_difference_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = convert_module._convert
+
+    def detached_weight(model, args, kwargs, spec, **kw):
+        amp = real(model, args, kwargs, spec, **kw)
+        # Same forward values, no gradient through the first weight: what a dropped backward looks like.
+        node = next(n for n in amp.graph.nodes if n.op == "get_attr" and n.target.endswith("weight"))
+        with amp.graph.inserting_after(node):
+            cut = amp.graph.call_function(torch.ops.aten.detach.default, (node,))
+        node.replace_all_uses_with(cut, delete_user_cb=lambda user: user is not cut)
+        amp.recompile()
+        return amp
+
+    monkeypatch.setattr(convert_module, "_convert", detached_weight)
+    with pytest.raises(graphamp.PolicyDriftError, match=r"gradient of .*weight is missing"):
+        graphamp.convert(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (_x(),))
+
+
+def test_warn_returns_the_module_and_records_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_wrong_policy(monkeypatch, {"exp": "lower_precision_fp"})
+    with pytest.warns(graphamp.PolicyDriftWarning, match=r"differs from eager"):
+        amp = graphamp.convert(_sandwich(), (_x(),), self_check="warn")
+    check = amp.meta[SELF_CHECK_META]
+    assert not check.ok and "output" in check.problem
+
+
+def test_off_skips_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_wrong_policy(monkeypatch, {"layer_norm": "lower_precision_fp"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp = graphamp.convert(Block(), (_x(),), dtype=torch.bfloat16, self_check="off")
+    assert SELF_CHECK_META not in amp.meta
+
+
+def test_modes_and_policies_that_do_not_promise_equality_are_not_checked() -> None:
+    cfg = Config(op_overrides={"layer_norm": "lower_precision_fp"})
+    assert SELF_CHECK_META not in graphamp.convert(Block(), (_x(),), config=cfg).meta
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, "strict"])
+def test_a_bad_self_check_value_is_a_value_error(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"self_check=.*'raise'.*'warn'.*'off'"):
+        graphamp.convert(Block(), (_x(),), self_check=bad)
+
+
+def test_keep_io_types_compares_fp32_outputs_with_eagers_values() -> None:
+    amp = graphamp.convert(nn.Sequential(nn.Linear(8, 8)), (_x(),), keep_io_types=True)
+    assert amp.meta[SELF_CHECK_META].ok and amp(_x()).dtype == torch.float32
