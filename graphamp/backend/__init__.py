@@ -32,8 +32,10 @@ from graphamp.passes import build_pipeline, check_dtypes, run_passes
 from graphamp.policy import DEVICE_TYPES
 from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type, resolve_dtype
 from graphamp.backend.options import BackendOptions
+from graphamp.backend.observe import Frame, compiled_frame, observe_eager_frame
 from graphamp.backend.retrace import _retrace
 from graphamp.backend.options import INNER_COMPILERS
+from graphamp.backend.weight_casts import share_parameter_casts
 
 
 __all__ = ["BackendOptions", "INNER_COMPILERS", "graphamp_backend", "rewrite"]
@@ -72,16 +74,20 @@ def graphamp_backend(
     spec = AmpSpec(device_type, resolve_dtype(opts.dtype, device_type), opts.mode, inference, opts.config or Config(), target="aot")
     ambient = torch.is_autocast_enabled(device_type)
     with autocast_off():
-        amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient)
+        amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=compiled_frame())
         compiled = _hand_off(amp_gm, example_inputs, opts.inner, mode)
     return _run_without_autocast(compiled)
 
 
-def rewrite(gm: GraphModule, example_inputs: Sequence[Any], spec: AmpSpec, *, ambient: bool = False) -> GraphModule:
+def rewrite(
+    gm: GraphModule, example_inputs: Sequence[Any], spec: AmpSpec, *, ambient: bool = False, frame: Frame | None = None,
+) -> GraphModule:
     """Re-trace dynamo's graph to pre-dispatch ATen and insert the policy's casts.
 
     ``spec.inference`` declares the graph runs under ``no_grad`` only, so casts are shared freely;
-    ``ambient`` says dynamo traced inside an autocast region (it only changes warnings and errors).
+    ``ambient`` says dynamo traced inside an autocast region (it only changes warnings and errors);
+    ``frame`` is the code dynamo compiled and its arguments, run eagerly where the graph may hold
+    another program than eager's (see :mod:`graphamp.backend.observe`).
 
     >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
     >>> amp_gm = rewrite(gm, [torch.randn(2, 4)], AmpSpec("cpu", torch.bfloat16, target="aot"))
@@ -89,7 +95,9 @@ def rewrite(gm: GraphModule, example_inputs: Sequence[Any], spec: AmpSpec, *, am
     """
     policy = spec.policy
     amp_gm = _retrace(gm, example_inputs, policy, ambient=ambient)
+    observe_eager_frame(amp_gm, device_type=spec.device_type, dtype=spec.dtype, frame=frame)
     run_passes(amp_gm, spec, build_pipeline(spec, check=False))
+    share_parameter_casts(amp_gm, example_inputs)
     if spec.check:
         try:
             check_dtypes(amp_gm, spec)

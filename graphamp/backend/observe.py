@@ -1,0 +1,130 @@
+"""Observe the eager program of the frame dynamo compiles, for choices its graph cannot see.
+
+Model code may read ``torch.compiler.is_compiling()`` and run another, forward-equivalent program
+when compiled (transformers materialises the causal mask and repeats grouped key/value heads),
+whose gradients round differently. ``graphamp.convert`` traces with eager's flags; dynamo folds
+``is_compiling()`` to True while tracing, and a backend only sees the graph afterwards. So, as
+``convert`` does with :func:`graphamp.probe.eager_sdpa_calls`, the backend runs the code dynamo is
+compiling once eagerly on the frame's own arguments (no grad, autocast on, the compiling flags
+off, buffers and random state restored) and records what :mod:`graphamp.passes.follow_eager_attention`
+asks for. It does so only when the graph holds the attention that needs it: other graphs pay nothing.
+
+The frame comes from dynamo's tracer (its code, globals, closure and argument values at entry),
+which is private to torch; if it is not there, or the eager run fails, the graph keeps the program
+dynamo traced.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
+from graphamp.probe import SdpaCall, eager_sdpa_calls
+
+__all__ = ["Frame", "compiled_frame", "observe_eager_frame"]
+
+
+class Frame(NamedTuple):
+    """The function dynamo is compiling and the arguments it was entered with."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+def compiled_frame() -> Frame | None:
+    """The frame dynamo is compiling now, rebuilt as a callable and its arguments; None outside
+    a dynamo compile or where the frame cannot be rebuilt."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        code, f_locals = tx.f_code, tx.f_locals
+        fn = types.FunctionType(code, tx.f_globals, code.co_name, None, tx.closure)
+        return Frame(fn, *frame_arguments(code, f_locals))
+    except Exception:  # private to torch: a frame that is not there just skips the observation
+        return None
+
+
+def frame_arguments(code: types.CodeType, f_locals: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The positional and keyword arguments that call ``code``'s function as it was entered.
+
+    >>> def f(a, *rest, k=1, **more): pass
+    >>> frame_arguments(f.__code__, {"a": 1, "rest": (2, 3), "k": 4, "more": {"m": 5}})
+    ((1, 2, 3), {'k': 4, 'm': 5})
+    """
+    names = code.co_varnames
+    positional = tuple(f_locals[name] for name in names[: code.co_argcount])
+    end = code.co_argcount + code.co_kwonlyargcount
+    keywords = {name: f_locals[name] for name in names[code.co_argcount : end]}
+    if code.co_flags & inspect.CO_VARARGS:
+        positional += tuple(f_locals[names[end]])
+        end += 1
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        keywords.update(f_locals[names[end]])
+    return positional, keywords
+
+
+class _EagerCall(nn.Module):
+    """The frame as a module: the modules it reaches are submodules, so the probe restores their
+    buffers; the compiling flags read False inside, as they do in eager."""
+
+    def __init__(self, fn: Callable[..., Any], modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.fn = fn
+        # Borrowed, not modified: registering a module as a child leaves the module itself alone.
+        self.reached = nn.ModuleList(modules)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        saved = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
+        torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = False
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = saved
+
+
+def _modules_reached(frame: Frame) -> list[nn.Module]:
+    closure = [cell.cell_contents for cell in getattr(frame.fn, "__closure__", None) or () if _filled(cell)]
+    values = [*frame.args, *frame.kwargs.values(), *closure]
+    found: dict[int, nn.Module] = {}
+    for value in values:
+        if isinstance(value, nn.Module):
+            found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def eager_frame_sdpa_calls(frame: Frame, *, device_type: str, dtype: torch.dtype) -> list[SdpaCall] | None:
+    """The SDPA calls the frame makes under eager autocast, in order; None if it cannot run."""
+    call = _EagerCall(frame.fn, _modules_reached(frame))
+    return eager_sdpa_calls(call, frame.args, frame.kwargs, device_type=device_type, dtype=dtype)
+
+
+def observe_eager_frame(gm: GraphModule, *, device_type: str, dtype: torch.dtype, frame: Frame | None) -> None:
+    """Record in ``gm.meta`` eager's SDPA calls for the graph's own, where the graph repeats
+    key/value heads (the only program choice graphamp follows so far).
+
+    The graph holds the frame's program from its entry up to the end or the first graph break,
+    so its SDPA calls are the first of the frame's eager calls.
+    """
+    nodes = gm.graph.find_nodes(op="call_function", target=SDPA)
+    if frame is None or not any(repeated_heads(n.args[1]) for n in nodes):
+        return
+    calls = eager_frame_sdpa_calls(frame, device_type=device_type, dtype=dtype)
+    if calls is not None and len(calls) >= len(nodes):
+        gm.meta[EAGER_SDPA] = calls[: len(nodes)]

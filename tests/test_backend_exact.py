@@ -1,0 +1,192 @@
+"""torch.compile(backend="graphamp", options={"inner": "eager"}) is bitwise eager autocast where
+dynamo's graph alone would not be: attention that eager runs with grouped key/value heads, a
+weight that autocast's cache casts once for two uses, and nn.LSTM on the kernel eager picks here.
+
+Every check compares with eager autocast on the machine the test runs on.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphamp.backend.observe as observe
+from graphamp.backend.observe import frame_arguments
+from graphamp.passes.follow_eager_attention import SDPA
+from graphamp.policy import lstm_uses_onednn
+from helpers import _loss, assert_same_grads, assert_same_outputs, run_eager
+
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled(model, dtype):
+    return torch.compile(model, backend="graphamp", options={"inner": "eager", "dtype": dtype})
+
+
+def run_compiled(cm, model, args, kwargs):
+    model.zero_grad(set_to_none=True)
+    out = cm(*args, **kwargs)
+    _loss(out).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def assert_exact_compiled(model, args, kwargs, dtype):
+    ref, ref_grads = run_eager(model, args, kwargs, dtype, grads=True)
+    out, grads = run_compiled(compiled(model, dtype), model, args, kwargs)
+    assert_same_outputs(out, ref)
+    assert ref_grads, "the model produced no gradients; the check would be empty"
+    assert_same_grads(grads, ref_grads)
+
+
+def tiny_llama(kv_heads: int):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=kv_heads, use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids}
+
+
+# Attention: transformers repeats grouped heads when compiled and groups them in SDPA in eager.
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_query_llama_is_bitwise_forward_and_gradients(dtype):
+    model, kwargs = tiny_llama(kv_heads=2)
+    assert_exact_compiled(model, (), kwargs, dtype)
+
+
+def test_the_eager_run_happens_only_for_repeated_heads(monkeypatch):
+    calls = []
+    real = observe.eager_frame_sdpa_calls
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(observe, "eager_frame_sdpa_calls", counting)
+    model, kwargs = tiny_llama(kv_heads=4)  # as many key/value heads as query heads: nothing repeated
+    compiled(model, torch.bfloat16)(**kwargs)
+    assert calls == []
+    torch._dynamo.reset()
+    model, kwargs = tiny_llama(kv_heads=2)
+    compiled(model, torch.bfloat16)(**kwargs)
+    assert calls == [1]
+
+
+def test_the_eager_run_leaves_no_trace():
+    model, kwargs = tiny_llama(kv_heads=2)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    compiled(model, torch.bfloat16)(**kwargs)  # eval mode: the call itself draws no random numbers
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+class RepeatedHeads(nn.Module):
+    """Attention that repeats its key/value heads in eager too: the traced program is eager's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 4).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 8).transpose(1, 2).split(4, dim=-1)
+        k = k[:, :, None].expand(b, 2, 2, s, 4).reshape(b, 4, s, 4)
+        v = v[:, :, None].expand(b, 2, 2, s, 4).reshape(b, 4, s, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_that_repeats_heads_in_eager_keeps_them(dtype):
+    torch.manual_seed(0)
+    assert_exact_compiled(RepeatedHeads(), (torch.randn(2, 5, 16),), {}, dtype)
+
+
+def test_frame_arguments_rebuild_the_call():
+    def f(a, b=2, *rest, k, **more):
+        pass
+
+    f_locals = {"a": 1, "b": 2, "rest": (3,), "k": 4, "more": {"m": 5}}
+    assert frame_arguments(f.__code__, f_locals) == ((1, 2, 3), {"k": 4, "m": 5})
+
+
+# Weights: autocast's cache casts a weight that requires grad once per region, for all its uses.
+
+class SharedWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16) / 4)
+        self.b = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return F.linear(F.linear(x, self.w, self.b).relu(), self.w, self.b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_weight_used_twice_is_cast_once_as_autocast_caches_it(dtype):
+    torch.manual_seed(0)
+    assert_exact_compiled(SharedWeight(), (torch.randn(4, 16),), {}, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_frozen_weight_used_twice_is_cast_twice_as_autocast_does(dtype):
+    # Autocast caches only leaves that require grad; the input's gradient tells the casts apart.
+    torch.manual_seed(0)
+    model = SharedWeight()
+    model.w.requires_grad_(False)
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        ref = model(x)
+    _loss(ref).backward()
+    ref_grad, x.grad = x.grad, None
+    out = compiled(model, dtype)(x)
+    _loss(out).backward()
+    assert torch.equal(out, ref) and torch.equal(x.grad, ref_grad)
+
+
+# nn.LSTM: the graph takes the kernel eager's aten::lstm picks on this machine.
+
+class LSTMModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.lstm = nn.LSTM(8, 8, num_layers=2, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(self.proj(x))[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lstm_inference_takes_eagers_kernel_on_this_machine(dtype):
+    torch.manual_seed(0)
+    model, x = LSTMModel(), torch.randn(2, 5, 8)
+    with torch._dynamo.config.patch(allow_rnn=True), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        expected = model(x)
+        got = compiled(model, dtype)(x)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_lstm_kernel_question_is_eagers():
+    # aten/src/ATen/native/RNN.cpp, use_mkldnn(input, params, hx): oneDNN runs fp16 only without
+    # grad and where mkldnn_fp16_device_check() holds; bf16 where mkldnn_bf16_device_check() holds.
+    fp16 = bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    assert lstm_uses_onednn(torch.float16, projections=False, grad_enabled=False) == fp16
+    assert not lstm_uses_onednn(torch.float16, projections=False, grad_enabled=True)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert not lstm_uses_onednn(torch.float32, projections=False, grad_enabled=False)
