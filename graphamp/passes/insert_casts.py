@@ -130,9 +130,11 @@ def _is_decomposable(op: torch._ops.OpOverload) -> bool:
 
 
 class _Rewriter:
-    def __init__(self, gm: GraphModule, policy: Policy, config: Config, kernel_paths: bool = True) -> None:
+    def __init__(self, gm: GraphModule, policy: Policy, config: Config, kernel_paths: bool = True, no_grad: bool = False) -> None:
         self.gm = gm
         self.kernel_paths = kernel_paths
+        # The graph only ever runs under no_grad (spec.inference): its kernels need no backward.
+        self.no_grad = no_grad
         self.graph = gm.graph
         self.policy = policy
         self.config = config
@@ -278,7 +280,9 @@ class _Rewriter:
         op = node.target
         if not _is_decomposable(op):
             return None
-        if op is torch.ops.aten.lstm.input and self.kernel_paths and self.onednn_lstm_applies(node):
+        # AOTAutograd cannot trace mkldnn_rnn_layer's backward, so graphs it differentiates take
+        # the kernel path only where the LSTM runs without grad.
+        if op is torch.ops.aten.lstm.input and (self.kernel_paths or not self.grad_enabled(node)) and self.onednn_lstm_applies(node):
             sub, leaves = self.trace_onednn_lstm(node)
             if sub is not None:
                 return self.inline(node, sub, leaves, "oneDNN (mkldnn_rnn_layer per layer and direction)")
@@ -318,8 +322,11 @@ class _Rewriter:
             return False
         input, (h, c) = val_of(node.args[0]), val_of(node.args[1])
         return self.policy.device_type == "cpu" and lstm_uses_onednn(
-            input.dtype, projections=h.shape[-1] != c.shape[-1], grad_enabled=not in_no_grad(node)
+            input.dtype, projections=h.shape[-1] != c.shape[-1], grad_enabled=self.grad_enabled(node)
         )
+
+    def grad_enabled(self, node: Node) -> bool:
+        return not (self.no_grad or in_no_grad(node))
 
     def trace_onednn_lstm(self, node: Node) -> tuple[GraphModule | None, list]:
         """``aten::lstm`` as eager runs it on oneDNN: one ``mkldnn_rnn_layer`` per layer and
@@ -341,7 +348,8 @@ class _Rewriter:
             return torch.ops.aten.lstm.input(*a, **k)
 
         try:
-            with FakeTensorMode() as mode:
+            # use_mkldnn reads the grad mode (fp16 runs on oneDNN only without grad): the node's.
+            with FakeTensorMode() as mode, torch.set_grad_enabled(self.grad_enabled(node)):
                 inputs = [_static_fake(flat[i].meta["val"], mode) for i in positions]
                 sub = make_fx(lstm)(*inputs)
         except Exception:
@@ -443,9 +451,10 @@ def insert_casts(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Insert explicit casts so every op receives the dtypes eager autocast would give it.
 
     For an AmpModule (``spec.target == "module"``) nn.LSTM follows the oneDNN kernel path eager
-    takes (one ``mkldnn_rnn_layer`` per layer and direction); not for graphs AOTAutograd traces.
+    takes (one ``mkldnn_rnn_layer`` per layer and direction); in graphs AOTAutograd traces, only
+    where the LSTM runs without grad (AOTAutograd cannot trace that kernel's backward).
     """
-    rewriter = _Rewriter(gm, spec.policy, spec.config, kernel_paths=spec.target == "module")
+    rewriter = _Rewriter(gm, spec.policy, spec.config, kernel_paths=spec.target == "module", no_grad=spec.inference)
     rewriter.run()
     if rewriter.modified:
         gm.graph.lint()
