@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
+import io
+import logging
+import pickle
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,24 +19,28 @@ from torch.utils import _pytree as pytree
 from torch.fx import GraphModule
 from torch.fx.graph_module import _forward_from_src
 
+from graphamp.capture import SIZE_CONDITIONS
 from graphamp.config import Config
-from graphamp.errors import InputMismatchError
-from graphamp.spec import autocast_off
+from graphamp.errors import InputMismatchError, InputShapeError
+from graphamp.spec import AmpSpec, autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
 from graphamp.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
-from graphamp.runtime import _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module
-
-if TYPE_CHECKING:
-    from graphamp.spec import AmpSpec
+from graphamp.runtime import _MODEL, _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module
 
 __all__ = ["AmpModule", "AmpInfo", "emit", "input_signature", "describe_signature"]
 
 _GUARD = "_graphamp_guard"
 _TRACEABLE = "_graphamp_traceable"  # the forward dynamo traces (recompile)
 _BUILDING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_emit_building", default=False)
+_VARIANTS = "_graphamp_variants"  # the modules converted for other shape classes, in order
+# How many other shape classes one converted module converts for before it refuses: each holds a
+# graph and costs a conversion (seconds), so inputs of ever new shapes should be padded instead.
+MAX_SHAPE_CLASSES = 8
+_RECONVERTING = threading.Lock()
+_log = logging.getLogger("graphamp")
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,11 @@ class AmpInfo:
     training: bool
     config: Config
     inference: bool = False
+    keep_io_types: bool = False  # a default: modules saved before it was recorded load with it
+
+    def spec(self) -> AmpSpec:
+        """The conversion's spec again, to convert the same model for another shape class."""
+        return AmpSpec(self.device_type, self.dtype, self.mode, self.inference, self.config, "module", self.keep_io_types)
 
 
 _TENSOR = "<tensor>"
@@ -83,7 +98,9 @@ def _guard_from(gm: GraphModule) -> InputGuard:
     ranges = {}
     for sym, vr in gm.meta.get("range_constraints", {}).items():
         ranges[str(sym)] = (_bound(vr.lower) or 0, _bound(vr.upper))
-    return InputGuard(names, specs, ranges, gm.meta.get("range_reasons"))
+    symbols = {d for spec in specs if spec is not None for d in spec[2] if isinstance(d, str)}
+    conditions = [c for c in gm.meta.get(SIZE_CONDITIONS, ()) if set(c[1]) <= symbols]
+    return InputGuard(names, specs, ranges, gm.meta.get("range_reasons"), conditions)
 
 
 def _bound(value: Any) -> int | None:
@@ -122,6 +139,14 @@ class AmpModule(GraphModule):
         return self.__dict__["_graphamp"]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self._call_graph(args, kwargs)
+        try:
+            return self._call_graph(args, kwargs)
+        except InputShapeError as e:
+            return self._call_shape_class(e, args, kwargs)
+
+    def _call_graph(self, args: tuple, kwargs: dict) -> Any:
         info = self.__dict__.get("_graphamp")
         expected = self.__dict__.get("_graphamp_signature")
         arity = self.__dict__.get("_graphamp_arity")
@@ -142,6 +167,53 @@ class AmpModule(GraphModule):
             with torch.no_grad():
                 return self._call_without_autocast(info, args, kwargs)
         return self._call_without_autocast(info, args, kwargs)
+
+    def _call_shape_class(self, refused: InputShapeError, args: tuple, kwargs: dict) -> Any:
+        """Run the module converted for these inputs' shape class, converting it on first use."""
+        for variant in self.__dict__.get(_VARIANTS, ()):
+            try:
+                return variant._call_graph(args, kwargs)
+            except InputShapeError:
+                continue
+        with _RECONVERTING:
+            variant = self._converted_for(refused, args, kwargs)
+        return variant._call_graph(args, kwargs)
+
+    def _converted_for(self, refused: InputShapeError, args: tuple, kwargs: dict) -> AmpModule:
+        model, variants = self.__dict__.get(_MODEL), self.__dict__.setdefault(_VARIANTS, [])
+        shapes = _shapes(args, kwargs)
+        if model is None:
+            raise InputShapeError(
+                f"{refused} This module cannot convert again for these shapes {shapes}: it holds no "
+                "reference to its model (it was saved by an older graphamp, or its model could not be "
+                "pickled with it). Way out: call graphamp.convert again with an example of this shape."
+            ) from None
+        if len(variants) >= MAX_SHAPE_CLASSES:
+            raise InputShapeError(
+                f"{refused} This module has already converted itself for {MAX_SHAPE_CLASSES} other shape "
+                f"classes, the most it holds; these inputs {shapes} would need one more. Way out: pad "
+                "inputs to a few fixed shapes, or convert with an example whose sizes the model's code "
+                "lets vary, or use torch.compile(model, backend=\"graphamp\")."
+            ) from None
+        from graphamp.convert import _convert  # convert imports emit
+
+        try:
+            with _training_as(model, self.graphamp_info.training), torch.inference_mode(False), torch.enable_grad():
+                variant = _convert(model, args, kwargs, self.graphamp_info.spec())
+        except Exception as failure:
+            raise InputShapeError(
+                f"{refused} Converting {type(model).__name__} again for these shapes {shapes} failed: "
+                f"{type(failure).__name__}: {str(failure).strip().splitlines()[0][:300]} Way out: check "
+                "that the model runs eagerly on inputs of this shape."
+            ) from failure
+        variants.append(variant)
+        _log.log(
+            logging.WARNING if len(variants) == 1 else logging.INFO,
+            "graphamp converted %s again for input shapes %s (shape class %d of at most %d besides the "
+            "example's), because %s",
+            type(model).__name__, shapes, len(variants), MAX_SHAPE_CLASSES, refused,
+        )
+        return variant
 
     def _call_without_autocast(self, info: AmpInfo | None, args: tuple, kwargs: dict) -> Any:
         if info is not None and torch.is_autocast_enabled(info.device_type):
@@ -177,6 +249,8 @@ class AmpModule(GraphModule):
         cache = getattr(self, WEIGHT_CACHE, None)
         if cache is not None:
             cache.clear()
+        for variant in self.__dict__.get(_VARIANTS, ()):
+            variant.refresh()
         for path, source in self.__dict__.get("_graphamp_frozen", {}).items():
             param = source()
             if param is None:
@@ -211,6 +285,11 @@ class AmpModule(GraphModule):
         body["_tracer_cls"] = AmpTracer
         body.pop("_graphamp_frozen", None)  # weak references to the source model do not travel
         body.pop(_TRACEABLE, None)  # recompiled on load
+        body.pop(_VARIANTS, None)  # converted again on first use after loading
+        # The model travels so that the loaded module converts again for other shape classes; its
+        # parameters are pickled once, as the objects this module shares with it.
+        if body.get(_MODEL) is not None and not _picklable(body[_MODEL]):
+            body.pop(_MODEL)
         # Loading re-traces the code, which keeps no node meta: graphamp's record of each node
         # travels beside it, so a loaded module's cast_summary() still reports its casts.
         body[_NODE_META] = _node_meta_record(self.graph, _saved_info)
@@ -253,6 +332,41 @@ def _saved_info(node: torch.fx.Node) -> dict[str, Any] | None:
     return saved or None
 
 
+def _shapes(args: tuple, kwargs: dict) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
+class _TensorsAside(pickle.Pickler):
+    """Pickles all but tensor data: whether a model pickles, without copying its weights."""
+
+    def persistent_id(self, obj: Any) -> int | None:
+        return id(obj) if isinstance(obj, torch.Tensor) else None
+
+
+def _picklable(model: nn.Module) -> bool:
+    """Whether ``model`` can be saved with its converted module (a class defined in a function,
+    a lambda attribute or a ScriptModule cannot)."""
+    try:
+        _TensorsAside(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(model)
+    except Exception:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _training_as(model: nn.Module, training: bool) -> Iterator[None]:
+    """``model`` (every submodule) in the given training mode for the duration, then as it was:
+    the converted module's graph fixed its mode, which the model may have left since."""
+    saved = [(m, m.training) for m in model.modules()]
+    if any(flag != training for _, flag in saved):
+        model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
+
+
 def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
     *parents, name = path.split(".")
     for p in parents:
@@ -282,11 +396,18 @@ def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tup
     amp.meta.update(gm.meta)
     state = model.state_dict(keep_vars=True)
     persistent = set(state)
+    params = {id(p) for p in model.parameters()}
     for path, buf in model.named_buffers(remove_duplicate=False):
         if path not in persistent:
             state[path] = buf
     for path, value in state.items():
         owner, name = _owner(amp, path)
+        if id(value) in params and not isinstance(value, nn.Parameter):
+            # A deep-copied ScriptModule's parameters are plain (non-leaf) tensors; the model
+            # lists them as parameters, and so does its converted module.
+            owner._buffers.pop(name, None)
+            owner._parameters[name] = value
+            continue
         if name in dict(owner.named_parameters(recurse=False)) or name in dict(owner.named_buffers(recurse=False)):
             continue
         if isinstance(value, nn.Parameter):
@@ -300,7 +421,11 @@ def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tup
             buf = owner.get_buffer(name)
             delattr(owner, name)
             owner.register_buffer(name, buf, persistent=False)
-    amp.__dict__["_graphamp"] = AmpInfo(spec.device_type, spec.dtype, spec.mode, model.training, spec.config, spec.inference)
+    amp.__dict__["_graphamp"] = AmpInfo(
+        spec.device_type, spec.dtype, spec.mode, model.training, spec.config, spec.inference, spec.keep_io_types
+    )
+    if spec.target == "module":
+        amp.__dict__[_MODEL] = model
     amp.__dict__["_graphamp_frozen"] = frozen
     if example is not None:
         amp.__dict__["_graphamp_signature"] = input_signature(*example)

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
+import math
 import pickle
 import threading
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -39,7 +41,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
 
-from graphamp.errors import InputMismatchError
+from graphamp.errors import InputMismatchError, InputShapeError
 
 __all__ = [
     "AmpTracer",
@@ -199,13 +201,16 @@ class InputGuard(nn.Module):
 
     def __init__(
         self, names: list[str], specs: list[tuple | None], ranges: dict[str, tuple[int, int | None]],
-        reasons: dict[str, str] | None = None,
+        reasons: dict[str, str] | None = None, conditions: Sequence[tuple[str, tuple[str, ...], str]] = (),
     ) -> None:
         super().__init__()
         self.names = names
         self.specs = specs
         self.ranges = ranges
         self.reasons = reasons or {}  # per size: the model's condition that bounds it, and where
+        # The model's conditions on sizes that no range says (batch != 1): (Python source over the
+        # sizes, the sizes it reads, where the model tests it). Guards saved before have none.
+        self.conditions = list(conditions)
 
     def _fast_specs(self) -> tuple | bool:
         """Per input, what the fast path checks; False when some input needs the full check."""
@@ -215,7 +220,7 @@ class InputGuard(nn.Module):
                 if not isinstance(d, int):
                     counts[d] = counts.get(d, 0) + 1
         fast = tuple(_fast_spec_of(spec, self.ranges, counts) for spec in self.specs)
-        return False if any(f is False for f in fast) else fast
+        return False if any(f is False for f in fast) or self.__dict__.get("conditions") else fast
 
     def forward(self, *inputs: Any) -> None:
         # Fast path, once per call: every tensor input has the dtype, device and rank converted for
@@ -254,26 +259,38 @@ class InputGuard(nn.Module):
             for i, (dim, size) in enumerate(zip(dims, value.shape)):
                 if isinstance(dim, int):
                     if size != dim:
-                        raise InputMismatchError(
+                        raise InputShapeError(
                             f"input {name!r} dim {i} is {size}, but the converted graph fixed it to {dim} "
-                            "(torch.export specialized it while tracing the model's code). Way out: "
-                            "convert again with an example of this shape."
+                            "(torch.export specialized it while tracing the model's code)."
                         )
                 elif dim in self.ranges:
                     lo, hi = self.ranges[dim]
                     if bound.setdefault(dim, size) != size:
-                        raise InputMismatchError(
+                        raise InputShapeError(
                             f"input {name!r} dim {i} is {size}, but another input gave {bound[dim]} for the "
-                            f"same size {dim}. Way out: pass consistent sizes."
+                            f"same size {dim}."
                         )
                     if size < lo or (hi is not None and size > hi):
                         why = getattr(self, "reasons", {}).get(dim)
-                        raise InputMismatchError(
+                        raise InputShapeError(
                             f"input {name!r} dim {i} is {size}, outside the range [{lo}, {hi or 'inf'}] the "
                             "model's code allows for it"
                             + (f" (the graph was traced where the model's code tested {why})" if why else "")
-                            + ". Way out: convert again with an example of this shape."
+                            + "."
                         )
+        for source, sizes, where in self.__dict__.get("conditions", ()):
+            if all(size in bound for size in sizes) and not _condition(source, sizes)(*(bound[size] for size in sizes)):
+                given = ", ".join(f"{size}={bound[size]}" for size in sizes)
+                raise InputShapeError(
+                    f"these inputs' sizes ({given}) fail the condition the model's code tested where the graph "
+                    f"was traced ({where}): eager would take another branch."
+                )
+
+
+@functools.lru_cache(maxsize=256)
+def _condition(source: str, sizes: tuple[str, ...]) -> Callable[..., bool]:
+    """A size condition's source (torch's PythonPrinter over the size symbols) as a function."""
+    return eval(f"lambda {', '.join(sizes)}: bool({source})", {"__builtins__": {}, "bool": bool, "math": math, "min": min, "max": max, "abs": abs})
 
 
 def _fast_spec_of(spec: tuple | None, ranges: dict, counts: dict) -> tuple | None | bool:
@@ -549,6 +566,9 @@ class AmpTracer(torch.fx.Tracer):
         return record
 
 
+# Where a converted module keeps the model it converts again from for other shape classes.
+_MODEL = "_graphamp_model"
+
 # Where a saved module keeps graphamp's node meta (casts, categories), which a re-trace loses.
 _NODE_META = "_graphamp_node_meta"
 
@@ -590,8 +610,13 @@ def rebuild_amp_module(body: dict[str, Any], import_block: str) -> nn.Module:
     import graphamp  # loaded already: unpickling this function imported the package
 
     record = body.pop(_NODE_META, None)
+    # The model it was converted from (saved since it converts again for other shapes) stays out of
+    # the module's submodules, as before saving.
+    model = body.pop(_MODEL, None)
     forward = _forward_from_src(import_block + (body.get("_code") or body["code"]), {})
     amp = _deserialize_graph_module(forward, body, graph_module_cls=graphamp.AmpModule)
+    if model is not None:
+        amp.__dict__[_MODEL] = model
     if record is not None:
         _restore_node_meta(amp.graph, record, graphamp.AmpModule.node_info_from_saved)
     return amp

@@ -22,17 +22,18 @@ ScriptModules), ``functions`` (kept custom autograd Functions).
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
-from graphamp.capture.export import _describe, _dynamic_shapes, _export, _is_autocast_rejection, _model_ranges
+from graphamp.capture.export import _describe, _dynamic_shapes, _export, _is_retryable, _model_conditions, _model_ranges
 from graphamp.capture.functions import _bind_kept_functions
 from graphamp.capture.torchscript import script_graph
 from graphamp.errors import BannedOpError, CaptureError, EagerPathWarning, GraphampError, PromoteTypeError
 from graphamp.spec import ambient_autocast
 
-__all__ = ["capture", "ambient_autocast", "script_graph"]
+__all__ = ["CAPTURED_STATIC", "SIZE_CONDITIONS", "capture", "ambient_autocast", "script_graph"]
 
 
 def capture(
@@ -55,26 +56,7 @@ def capture(
     if any(isinstance(m, torch.jit.ScriptModule) for m in model.modules()):
         model = script_graph(model, args, kwargs, device_type=device_type, dtype=dtype, grads=grads)
     try:
-        dynamic_shapes = _dynamic_shapes(model, args, kwargs)
-        try:
-            ep, keeper = _export(model, args, kwargs, dynamic_shapes, device_type, dtype, eager_flags=True)
-        except GraphampError:
-            raise
-        except Exception as e:
-            if _is_autocast_rejection(e):
-                raise
-            # The model's eager path cannot be traced (it reads tensor values where its compile
-            # path does not): take the path torch.export and torch.compile take, and say so.
-            ep, keeper = _export(model, args, kwargs, dynamic_shapes, device_type, dtype, eager_flags=False)
-            warnings.warn(
-                f"graphamp traced {type(model).__name__} as torch.export sees it (torch.compiler."
-                "is_compiling() True), because its eager path could not be traced: "
-                f"{str(e).strip().splitlines()[0][:200]}. Where the model's code takes another "
-                "path when compiling, gradients (rarely values) may differ from eager autocast; "
-                "graphamp.verify(model, args, grads=True) checks it.",
-                EagerPathWarning,
-                stacklevel=3,
-            )
+        ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
     except GraphampError:
         raise
     except Exception as e:
@@ -101,7 +83,60 @@ def capture(
     gm._forward_pre_hooks.clear()
     gm._forward_pre_hooks_with_kwargs.clear()
     gm.meta["range_constraints"], gm.meta["range_reasons"] = _model_ranges(ep)
+    gm.meta[CAPTURED_STATIC] = static
+    gm.meta[SIZE_CONDITIONS] = _model_conditions(ep)
     if keeper.kept:
         _bind_kept_functions(gm, keeper.kept)
     return gm
 
+
+# gm.meta key: True when the graph was captured with every size static (the model's code could not
+# take symbolic sizes); its module converts again for other shapes.
+CAPTURED_STATIC = "graphamp_captured_static"
+# gm.meta key: the model's conditions on sizes that no range expresses, for the module's input guard.
+SIZE_CONDITIONS = "graphamp_size_conditions"
+
+
+def _export_first_that_works(
+    model: nn.Module, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype,
+) -> tuple[torch.export.ExportedProgram, Any, bool]:
+    """Export the eager program with symbolic sizes, else with the example's sizes, else the program
+    torch.export and torch.compile see (``is_compiling()`` True), symbolic then static; with whether
+    the sizes are static. The first failure is raised when every attempt fails.
+
+    Static sizes take models whose code cannot hold a symbolic size (``is_causal`` computed from a
+    length reaches an op as a SymBool; a size used as a pytree key); the converted module then
+    converts again for each other shape class it is called with.
+    """
+    dynamic_shapes = _dynamic_shapes(model, args, kwargs)
+    first: Exception | None = None
+    for eager_flags in (True, False):
+        for shapes in (dynamic_shapes, None):
+            try:
+                ep, keeper = _export(model, args, kwargs, shapes, device_type, dtype, eager_flags=eager_flags)
+            except GraphampError:
+                raise
+            except Exception as e:
+                if not _is_retryable(e):
+                    raise
+                first = first or e
+                continue
+            if not eager_flags:
+                _warn_compile_path(model, first)
+            return ep, keeper, shapes is None
+    assert first is not None
+    raise first
+
+
+def _warn_compile_path(model: nn.Module, e: BaseException | None) -> None:
+    # The model's eager path cannot be traced (it reads tensor values where its compile path
+    # does not): graphamp took the path torch.export and torch.compile take, and says so.
+    warnings.warn(
+        f"graphamp traced {type(model).__name__} as torch.export sees it (torch.compiler."
+        "is_compiling() True), because its eager path could not be traced: "
+        f"{str(e).strip().splitlines()[0][:200]}. Where the model's code takes another "
+        "path when compiling, gradients (rarely values) may differ from eager autocast; "
+        "graphamp.verify(model, args, grads=True) checks it.",
+        EagerPathWarning,
+        stacklevel=5,
+    )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -33,6 +35,9 @@ def _describe(e: BaseException) -> tuple[str, str]:
     text = f"{type(e).__name__}: {e}"
     first = text.strip().splitlines()[0][:300]
     lowered = text.lower()
+    output_type = _unregistered_output(text)
+    if output_type is not None:
+        return _describe_output_type(output_type)
     if "data-dependent" in lowered or "data dependent" in lowered or "guardondatadependent" in lowered:
         return (
             f"data-dependent control flow or shape (a Python branch on a tensor's value): {first}",
@@ -52,6 +57,38 @@ def _describe(e: BaseException) -> tuple[str, str]:
     )
 
 
+_UNREGISTERED_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
+
+
+def _unregistered_output(text: str) -> str | None:
+    """The qualified name of an output type torch.export cannot flatten, if that is what failed."""
+    found = _UNREGISTERED_OUTPUT.search(text)
+    return found.group(1) if found else None
+
+
+def _describe_output_type(qualified: str) -> tuple[str, str]:
+    name = qualified.rsplit(".", 1)[-1]
+    if qualified.startswith("transformers.") and "cache" in qualified.lower():
+        return (
+            f"the model returns a {name} (a Hugging Face key/value cache) in its outputs, which a "
+            "converted graph cannot return: torch.export flattens outputs with pytree, and the cache is "
+            "an object whose tensors it does not know",
+            "pass use_cache=False (in kwargs, or set model.config.use_cache = False before converting); "
+            "the converted module then returns the same outputs as eager without the cache",
+        )
+    return (
+        f"the model returns a {qualified} in its outputs, which torch.export cannot flatten (the type "
+        "is not registered with pytree)",
+        f"return tensors, tuples, lists or dicts instead, or register {name} with "
+        "torch.utils._pytree.register_pytree_node",
+    )
+
+
+def _is_retryable(e: BaseException) -> bool:
+    """Whether another way of capturing (static shapes, the compile path) could succeed where ``e``
+    stopped the capture: not for an output type or an op autocast itself rejects."""
+    return not _is_autocast_rejection(e) and _unregistered_output(str(e)) is None
+
 
 # Where torch's fake kernels and decompositions guard on sizes: to pick a memory format or a
 # kernel, which the converted graph does not record (its ops pick again at run time), or to check
@@ -70,19 +107,10 @@ def _model_ranges(ep: torch.export.ExportedProgram) -> tuple[dict, dict[str, str
     from torch.utils._sympy.value_ranges import ValueRanges
 
     ranges = dict(ep.range_constraints)
-    vals = pytree.tree_leaves([n.meta.get("val") for n in ep.graph.nodes])
-    fake = next((v for v in vals if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)), None)
-    shape_env = fake.fake_mode.shape_env if fake is not None else None
-    if shape_env is None:
-        return ranges, {}
     by_model: dict = {}
-    for guard in shape_env.guards:
-        where = getattr(guard.sloc, "framework_loc", None)
-        filename = str(getattr(where, "filename", where) or "")
-        if not filename.startswith(_KERNEL_FILES):
-            line = f"{os.path.basename(filename)}:{getattr(where, 'lineno', '?')}" if filename else "the model's code"
-            for sym in guard.expr.free_symbols:
-                by_model.setdefault(sym, f"{guard.expr} at {line}")
+    for expr, line in _model_guards(ep):
+        for sym in expr.free_symbols:
+            by_model.setdefault(sym, f"{expr} at {line}")
     reasons = {}
     for sym, vr in ranges.items():
         if sym in by_model:
@@ -90,6 +118,49 @@ def _model_ranges(ep: torch.export.ExportedProgram) -> tuple[dict, dict[str, str
         elif getattr(vr.lower, "is_Integer", False) and int(vr.lower) > 1:
             ranges[sym] = ValueRanges(1, vr.upper)
     return ranges, reasons
+
+
+def _model_guards(ep: torch.export.ExportedProgram) -> list[tuple[Any, str]]:
+    """The conditions on sizes the model's code (not torch's kernels) took while exporting, each
+    with where it is (file:line)."""
+    vals = pytree.tree_leaves([n.meta.get("val") for n in ep.graph.nodes])
+    fake = next((v for v in vals if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)), None)
+    shape_env = fake.fake_mode.shape_env if fake is not None else None
+    found = []
+    for guard in shape_env.guards if shape_env is not None else ():
+        where = getattr(guard.sloc, "framework_loc", None)
+        filename = str(getattr(where, "filename", where) or "")
+        if not filename.startswith(_KERNEL_FILES):
+            line = f"{os.path.basename(filename)}:{getattr(where, 'lineno', '?')}" if filename else "the model's code"
+            found.append((guard.expr, line))
+    return found
+
+
+def _model_conditions(ep: torch.export.ExportedProgram) -> list[tuple[str, tuple[str, ...], str]]:
+    """The model's size conditions that a range cannot say (``batch != 1``, ``n % 2 == 0``), as
+    Python source over the size symbols, with the symbols and where the condition is.
+
+    Under ``backed_size_oblivious`` a condition such as ``x.shape[0] != 1`` leaves the size's range
+    open at 1, so the converted module checks the condition itself: an input that breaks it takes
+    another branch in eager, and gets its own conversion.
+    """
+    from torch.utils._sympy.printers import PythonPrinter
+
+    conditions = []
+    for expr, line in _model_guards(ep):
+        if len(expr.free_symbols) == 1 and _is_range(expr):
+            continue  # a bound on one size: in range_constraints already
+        source = PythonPrinter().doprint(expr)
+        conditions.append((source, tuple(sorted(str(s) for s in expr.free_symbols)), f"{expr} at {line}"))
+    return conditions
+
+
+def _is_range(expr: Any) -> bool:
+    import sympy
+
+    return isinstance(expr, (sympy.StrictLessThan, sympy.LessThan, sympy.StrictGreaterThan, sympy.GreaterThan)) and any(
+        side.is_number for side in expr.args
+    )
 
 
 def _is_autocast_rejection(e: BaseException) -> bool:
@@ -109,12 +180,53 @@ def _export(
         warnings.catch_warnings(),
         _quiet_on_failure(),
         _eager_flags(model) if eager_flags else contextlib.nullcontext(),
+        _dim_marks_restored((args, kwargs)),
+        _meta_failures_unlogged(),
         keeper,
     ):
         # nn.RNN* re-assign _flat_weights during tracing; export warns about it, harmlessly.
         warnings.filterwarnings("ignore", message=".*were assigned during export.*")
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     return ep, keeper
+
+
+def _drop_meta_failure(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("failed while attempting to run meta")
+
+
+@contextlib.contextmanager
+def _meta_failures_unlogged() -> Iterator[None]:
+    """Fake tensors log every failing meta kernel with its traceback (to stderr) before raising;
+    the error reaches graphamp, which raises it with the construct and the way out."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addFilter(_drop_meta_failure)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_drop_meta_failure)
+
+
+_DIM_MARKS = ("_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices", "_dynamo_dynamic_range",
+              "_dynamo_static_indices", "_dynamo_unbacked_indices", "_has_dynamo_dim_marking")
+
+
+@contextlib.contextmanager
+def _dim_marks_restored(inputs: Any) -> Iterator[None]:
+    """The inputs' dynamo dim marks as they were, after an export.
+
+    torch.export marks each ``Dim.AUTO`` size on the input tensor itself and drops the marks only
+    when it succeeds: after a failure the user's tensors would stay marked, and a later static
+    export of them would trace symbolic sizes all the same.
+    """
+    tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    saved = [{k: v for k, v in vars(t).items() if k in _DIM_MARKS} for t in tensors]
+    try:
+        yield
+    finally:
+        for t, marks in zip(tensors, saved):
+            for k in _DIM_MARKS:
+                vars(t).pop(k, None)
+            vars(t).update(marks)
 
 
 @contextlib.contextmanager

@@ -141,7 +141,10 @@ def script_graph(model: nn.Module, args: tuple, kwargs: dict, *, device_type: st
             owner = getattr(owner, part)
         if not hasattr(owner, leaf):
             if is_param:
-                owner.register_parameter(leaf, value)
+                # A deep-copied ScriptModule's parameters are plain tensors that require grad
+                # (TorchScript copies their values, not their Parameter type); they are kept
+                # as the model has them, so gradients and optimizers reach the model's own.
+                owner._parameters[leaf] = value
             else:
                 owner.register_buffer(leaf, value, persistent=id(value) in names)
         node.target = name
