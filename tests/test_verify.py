@@ -97,7 +97,7 @@ def test_drift_that_the_node_dtype_check_cannot_see_is_caught(monkeypatch):
     # its self-check finds the output differs (weights rounded to bf16), and the op signatures show the weight
     # casts eager does not make.
     _drift(monkeypatch, "layer_norm", Category.LOWER_PRECISION_FP)
-    with pytest.raises(graphamp.PolicyDriftError, match=r"(?s)gradient of encoder\.norm\.weight differs.*module encoder\.norm"):
+    with pytest.raises(graphamp.PolicyDriftError, match=r"(?s)output differs.*module encoder\.norm"):
         graphamp.convert(Net(), (torch.randn(2, 8),))
     assert graphamp.convert(Net(), (torch.randn(2, 8),), self_check="off") is not None
     report = graphamp.verify(Net(), (torch.randn(2, 8),))
