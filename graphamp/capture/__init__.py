@@ -21,6 +21,7 @@ ScriptModules), ``functions`` (kept custom autograd Functions).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -56,7 +57,12 @@ def capture(
     if any(isinstance(m, torch.jit.ScriptModule) for m in model.modules()):
         model = script_graph(model, args, kwargs, device_type=device_type, dtype=dtype, grads=grads)
     try:
-        ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
+        # A module gradients will flow through is traced with grad on, whatever the caller's mode:
+        # export records the model's own no_grad regions only when grad is on, and without them a
+        # tensor the model computes without grad (a position bias) requires grad at run time, which
+        # can change eager's kernel (CPU SDPA takes its math path for a mask that requires grad).
+        with torch.enable_grad() if grads else contextlib.nullcontext():
+            ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
     except GraphampError:
         raise
     except Exception as e:
