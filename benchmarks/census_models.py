@@ -1,0 +1,556 @@
+"""The census population: every transformers architecture built from a tiny config, plus timm and
+diffusers models, each with a way to make example inputs at any batch size.
+
+Random weights, nothing downloaded. A model is named ``family/key``: ``hf/bert``, ``timm/resnet18``,
+``diffusers/unet2d_condition``. :func:`build` turns a name into a :class:`Built`.
+
+timm and diffusers live outside graphamp's venv (``scripts/census`` installs them into
+``.venv/census-site``), because torchvision's PyPI wheel cannot load its C++ ops against the CPU
+build of torch: installed into the venv, it breaks ``from transformers import ViTModel`` in every
+process. :func:`enable_census_site` puts that directory on ``sys.path`` for the census process only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Built", "BuildError", "NotApplicable", "build", "census_site", "enable_census_site", "population", "TIMM_MODELS", "DIFFUSERS_MODELS"]
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 2
+SEQ = 8
+DECODER_SEQ = 5
+
+MakeInputs = Callable[[int], tuple[tuple, dict[str, Any]]]
+
+
+class BuildError(Exception):
+    """The model or its inputs cannot be made: counted as "eager cannot run", never as graphamp's."""
+
+
+@dataclass
+class Built:
+    name: str
+    model: nn.Module
+    make_inputs: MakeInputs
+    # Which class was built, and how far the config was shrunk ("tiny", "head-dim kept", ...).
+    cls: str
+    note: str = ""
+
+
+def census_site() -> Path:
+    return Path(os.environ.get("GRAPHAMP_CENSUS_SITE", ROOT / ".venv" / "census-site"))
+
+
+def enable_census_site() -> bool:
+    """Put the census-only packages on sys.path; True if the directory exists."""
+    site = census_site()
+    if not site.is_dir():
+        return False
+    if str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+    # torchvision's PyPI wheel registers fake kernels for its C++ ops at import; against the CPU
+    # torch those ops do not exist and `import torchvision` raises. timm's models and the
+    # transformers models call none of these ops, so the census skips the registration module.
+    sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+    return True
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------- transformers
+
+# Preferred model class per model type, first match wins: a head model the way users run it.
+_HF_MAPPINGS = (
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_CTC_MAPPING_NAMES",
+    "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_MAPPING_NAMES",
+)
+
+
+def _hf_mappings() -> list[dict[str, Any]]:
+    from transformers.models.auto import modeling_auto
+
+    names = list(_HF_MAPPINGS) + sorted(
+        n for n in dir(modeling_auto) if n.startswith("MODEL_") and n.endswith("_MAPPING_NAMES") and n not in _HF_MAPPINGS
+    )
+    return [getattr(modeling_auto, n) for n in names]
+
+
+def hf_model_types() -> list[str]:
+    types_: set[str] = set()
+    for mapping in _hf_mappings():
+        types_.update(mapping)
+    return sorted(types_)
+
+
+def _hf_class_name(model_type: str) -> str:
+    for mapping in _hf_mappings():
+        if model_type in mapping:
+            name = mapping[model_type]
+            return name[0] if isinstance(name, (list, tuple)) else name
+    raise BuildError(f"no model class for {model_type}")
+
+
+_LAYERS = re.compile(r"^(num_hidden_layers|num_layers|n_layers?|encoder_layers|decoder_layers|num_encoder_layers|num_decoder_layers|depth|num_blocks|num_text_layers|num_vision_layers)$")
+_HEADS = re.compile(r"^(num_attention_heads|n_heads?|num_heads|encoder_attention_heads|decoder_attention_heads|attention_heads|num_attention_heads_text|num_attention_heads_vision)$")
+_KV_HEADS = re.compile(r"^(num_key_value_heads|num_kv_heads|n_kv_heads|multi_query_group_num|num_key_value_groups_count)$")
+_HIDDEN = re.compile(r"^(hidden_size|d_model|n_embd|n_embed|embed_dim|hidden_dim|dim|word_embed_proj_dim|embedding_size|projection_dim|d_embed|text_embed_dim|vision_embed_dim|encoder_hidden_size|decoder_hidden_size)$")
+_HEAD_DIM = re.compile(r"^(head_dim|attention_head_dim|kv_channels|qk_rope_head_dim|qk_nope_head_dim|v_head_dim|d_kv|d_head)$")
+_FFN = re.compile(r"(intermediate_size|ffn_dim|^d_ff$|^n_inner$|^mlp_dim$|ffn_hidden_size|^d_inner$|^decoder_ffn_dim$)")
+_EXPERTS = re.compile(r"^(num_experts|n_routed_experts|num_local_experts|moe_num_experts)$")
+_TOPK = re.compile(r"^(num_experts_per_tok|moe_topk|top_k|num_experts_per_token)$")
+_DROPOUT = re.compile(r"(dropout|drop_prob|_pdrop$|^pdrop|drop_path|layerdrop|drop_rate|attention_probs_dropout)")
+_TOKEN_ID = re.compile(r"(_token_id|_token_index|_id)$")
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """How far a config is shrunk. The smallest first; the next keeps more of the original geometry."""
+
+    label: str
+    hidden_per_head: int | None  # None keeps the config's own head dimension
+    heads: int | None  # None keeps the config's head counts and hidden sizes
+    images: bool  # shrink image_size and per-stage lists
+
+
+SHRINKS = (
+    Shrink("tiny", 32, 2, True),
+    Shrink("head-dim kept", None, 2, False),
+    Shrink("layers only", None, None, False),
+)
+# Each shrink first with the main input alone, then with pixel_values too (BridgeTower needs both).
+HF_ATTEMPTS = tuple((s, pixels) for s in SHRINKS for pixels in (False, True))
+
+
+def _special_token_ids(d: dict[str, Any]) -> set[int]:
+    ids: set[int] = set()
+    for k, v in d.items():
+        if isinstance(v, int) and not isinstance(v, bool) and _TOKEN_ID.search(k) and 0 <= v < 1_000_000 and "vocab" not in k:
+            ids.add(v)
+        elif isinstance(v, (list, tuple)) and _TOKEN_ID.search(k):
+            ids.update(x for x in v if isinstance(x, int) and 0 <= x < 1_000_000)
+        elif isinstance(v, dict):
+            ids |= _special_token_ids(v)
+    return ids
+
+
+def _scaled_list(values: list[int], first: int) -> list[int]:
+    scale = values[0] / first if values[0] > first else 1
+    return [max(1, int(v / scale)) for v in values]
+
+
+def shrink_config_dict(d: dict[str, Any], how: Shrink) -> dict[str, Any]:
+    """A copy of a config's to_dict() with sizes made small, recursing into sub-configs."""
+    out = dict(d)
+    old_heads = next((v for k, v in d.items() if _HEADS.match(k) and isinstance(v, int)), None)
+    head_dim = d.get("head_dim") if isinstance(d.get("head_dim"), int) else None
+    hidden_old = next((v for k, v in d.items() if _HIDDEN.match(k) and isinstance(v, int) and v > 0), None)
+    if head_dim is None and old_heads and hidden_old:
+        head_dim = hidden_old // old_heads
+    per_head = how.hidden_per_head or head_dim or 32
+    # Per-stage head lists (Swin, PVT): one head per stage divides every stage width.
+    stage_heads = any(isinstance(v, list) and _HEADS.match(k) for k, v in d.items())
+    heads = how.heads if not stage_heads or how.images else None
+    hidden = heads * per_head if heads else None
+    old_layers = None
+    for k, v in d.items():
+        if isinstance(v, dict) and "model_type" in v:
+            out[k] = shrink_config_dict(v, how)
+            continue
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, float) and _DROPOUT.search(k):
+            out[k] = 0.0
+        elif not isinstance(v, int):
+            if how.images and isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                if k in ("depths", "num_layers_per_stage", "stage_depths", "layer_depths", "depth"):
+                    out[k] = [1] * len(v)
+                elif k in ("hidden_sizes", "embed_dims", "dims", "conv_dim", "neck_hidden_sizes", "widths", "channels"):
+                    out[k] = _scaled_list(v, 16)
+                elif k in ("num_heads", "num_attention_heads", "heads"):
+                    out[k] = [1] * len(v)
+            continue
+        elif _LAYERS.search(k) and v > 2 and "hidden" not in k.replace("num_hidden_layers", ""):
+            old_layers = old_layers or v
+            out[k] = 2
+        elif _KV_HEADS.match(k) and v > 0 and heads:
+            out[k] = heads if old_heads and v == old_heads else 1
+        elif _HEADS.match(k) and heads and v > heads:
+            out[k] = heads
+        elif _HIDDEN.match(k) and hidden and v > hidden:
+            out[k] = hidden if not stage_heads else 32
+        elif _HEAD_DIM.match(k) and how.hidden_per_head and v > per_head:
+            out[k] = per_head if k in ("head_dim", "attention_head_dim", "kv_channels", "d_kv", "d_head") else per_head // 2
+        elif _FFN.search(k) and hidden and v > 2 * hidden:
+            out[k] = 2 * hidden
+        elif _EXPERTS.match(k) and v > 4:
+            out[k] = 4
+        elif _TOPK.match(k) and v > 2:
+            out[k] = 2
+        elif k in ("n_group", "topk_group") and v > 1:
+            out[k] = 1
+        elif k in ("kv_lora_rank", "q_lora_rank") and v > 32:
+            out[k] = 32
+        elif k in ("max_position_embeddings", "max_target_positions", "max_source_positions", "n_positions", "max_seq_len") and v > 128:
+            out[k] = 128
+        elif how.images and k in ("image_size", "img_size", "input_size") and v > 64:
+            out[k] = 64
+        elif how.images and k == "window_size" and v > 2:
+            # Swin-style windows must divide every stage's grid of a 64-pixel image.
+            out[k] = 2
+    if old_layers:
+        # Per-layer lists (layer_types, attention_window, ...) follow the new layer count.
+        for k, v in out.items():
+            if isinstance(v, list) and len(v) == old_layers and old_layers > 4:
+                out[k] = v[:2]
+    if "vocab_size" in d and isinstance(d["vocab_size"], int) and d["vocab_size"] > 256:
+        specials = _special_token_ids(d)
+        out["vocab_size"] = max([256, *(i + 1 for i in specials if i < 300_000)])
+    if "use_cache" in d:
+        out["use_cache"] = False
+    if d.get("pad_token_id", 0) is None and "pad_token_id" in d:
+        out["pad_token_id"] = 0
+    return out
+
+
+def _hf_config(model_type: str, how: Shrink):
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(model_type)
+    d = shrink_config_dict(base.to_dict(), how)
+    d.pop("transformers_version", None)
+    config = type(base).from_dict(d)
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    return config
+
+
+def _as_int(v: Any, default: int) -> int:
+    if isinstance(v, (list, tuple)) and v:
+        v = v[0]
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
+
+
+def _find(config: Any, *names: str) -> Any:
+    """The first of ``names`` on the config or its vision/audio/text sub-configs."""
+    for c in (config, *(getattr(config, s, None) for s in ("vision_config", "audio_config", "encoder", "text_config", "backbone_config"))):
+        if c is None:
+            continue
+        for n in names:
+            v = getattr(c, n, None)
+            if v is not None:
+                return v
+    return None
+
+
+def _token_ids(config: Any, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    vocab = _as_int(_find(config, "vocab_size"), 100)
+    specials = _special_token_ids(config.to_dict())
+    # Low ids only, none of them special (image, audio, mask tokens change what the model does).
+    allowed = [i for i in range(min(vocab, 100)) if i not in specials] or [0]
+    idx = torch.randint(0, len(allowed), shape, generator=_gen(seed))
+    return torch.tensor(allowed)[idx]
+
+
+def _image(config: Any, b: int, seed: int) -> torch.Tensor:
+    channels = _as_int(_find(config, "num_channels", "in_channels", "num_input_channels"), 3)
+    size = _as_int(_find(config, "image_size", "img_size"), 64)
+    return torch.randn(b, channels, size, size, generator=_gen(seed))
+
+
+def _hf_input(name: str, config: Any, b: int, seed: int, main: str) -> torch.Tensor | None:
+    if name == "input_ids":
+        return _token_ids(config, (b, SEQ), seed)
+    if name == "decoder_input_ids":
+        return _token_ids(config, (b, DECODER_SEQ), seed + 1)
+    if name == "attention_mask":
+        return torch.ones(b, SEQ, dtype=torch.long) if main == "input_ids" else None
+    if name == "pixel_values":
+        return _image(config, b, seed + 2)
+    if name == "input_values":
+        return torch.randn(b, 3200, generator=_gen(seed + 3))
+    if name == "input_features":
+        bins = _as_int(_find(config, "num_mel_bins", "feature_size", "input_feat_per_channel"), 80)
+        frames = 2 * _as_int(_find(config, "max_source_positions"), 32)
+        return torch.randn(b, bins, frames, generator=_gen(seed + 4))
+    if name == "bbox":
+        lo = torch.randint(0, 500, (b, SEQ, 2), generator=_gen(seed + 5))
+        return torch.cat([lo, lo + torch.randint(0, 500, (b, SEQ, 2), generator=_gen(seed + 6))], -1)
+    if name == "token_type_ids":
+        return None
+    return None
+
+
+def _hf_make_inputs(model: nn.Module, config: Any, *, pixels: bool) -> MakeInputs:
+    sig = inspect.signature(model.forward)
+    main = getattr(model, "main_input_name", "input_ids")
+    required = [
+        p.name for p in sig.parameters.values()
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    wanted = list(dict.fromkeys([main, *required]))
+    if "attention_mask" in sig.parameters and main == "input_ids":
+        wanted.append("attention_mask")
+    if "decoder_input_ids" in sig.parameters and getattr(config, "is_encoder_decoder", False):
+        wanted.append("decoder_input_ids")
+    if pixels:
+        wanted.append("pixel_values")
+
+    def make(b: int) -> tuple[tuple, dict[str, Any]]:
+        kwargs = {}
+        for name in wanted:
+            t = _hf_input(name, config, b, seed=1000 * b, main=main)
+            if t is None:
+                if name in required:
+                    raise BuildError(f"no generic input for the required argument {name!r}")
+                continue
+            kwargs[name] = t
+        return (), kwargs
+
+    return make
+
+
+def _seeded(fn: Callable[[], nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return fn()
+
+
+class NotApplicable(BuildError):
+    """This attempt would build the same thing as an earlier one."""
+
+
+def build_hf(model_type: str, attempt: int) -> Built:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    how, pixels = HF_ATTEMPTS[attempt]
+    cls_name = _hf_class_name(model_type)
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        raise BuildError(f"transformers has no class {cls_name}")
+    params = inspect.signature(cls.forward).parameters
+    if pixels and ("pixel_values" not in params or getattr(cls, "main_input_name", "input_ids") == "pixel_values"):
+        raise NotApplicable("no optional pixel_values")
+    config = _hf_config(model_type, how)
+    model = _seeded(lambda: cls(config)).eval()
+    note = how.label + (" + pixel_values" if pixels else "")
+    return Built(f"hf/{model_type}", model, _hf_make_inputs(model, config, pixels=pixels), cls_name, note)
+
+
+# ---------------------------------------------------------------- timm
+
+# (timm name, input size): a representative set, small images where the model takes any size.
+TIMM_MODELS: dict[str, int] = {
+    "resnet18": 64, "resnet50": 64, "efficientnet_b0": 64, "mobilenetv2_050": 64, "mobilenetv3_small_050": 64,
+    "regnetx_002": 64, "regnety_002": 64, "densenet121": 64, "dla34": 64, "ghostnet_100": 64,
+    "convnext_atto": 64, "convnextv2_atto": 64, "lcnet_050": 64, "tinynet_e": 64, "repvgg_a0": 64,
+    "rexnet_100": 64, "hrnet_w18_small": 64, "cspresnet50": 64, "res2net50_14w_8s": 64, "mixnet_s": 64,
+    "vit_tiny_patch16_224": 64, "deit_tiny_patch16_224": 64, "swin_tiny_patch4_window7_224": 224,
+    "levit_128s": 224, "poolformer_s12": 64, "resmlp_12_224": 224, "xcit_nano_12_p16_224": 64,
+    "pit_ti_224": 224, "mobilevit_xxs": 64, "edgenext_xx_small": 64, "efficientformer_l1": 224,
+    "coat_lite_tiny": 224, "fastvit_t8": 64, "eva02_tiny_patch14_224": 224, "cait_xxs24_224": 224,
+}
+
+
+def build_timm(name: str) -> Built:
+    if not enable_census_site():
+        raise BuildError(f"timm is not installed: run scripts/census once (it installs the census extra into {census_site()})")
+    import timm
+
+    size = TIMM_MODELS.get(name, 224)
+    kwargs: dict[str, Any] = {"pretrained": False, "num_classes": 10}
+    try:
+        model = _seeded(lambda: timm.create_model(name, img_size=size, **kwargs)) if size != 224 else None
+    except TypeError:
+        model = None
+    if model is None:
+        model = _seeded(lambda: timm.create_model(name, **kwargs))
+        size = 224 if size != 224 and _fixed_size(model) else size
+    model.eval()
+    for m in model.modules():
+        if hasattr(m, "drop_prob"):
+            m.drop_prob = 0.0
+
+    def make(b: int) -> tuple[tuple, dict]:
+        return (torch.randn(b, 3, size, size, generator=_gen(b)),), {}
+
+    return Built(f"timm/{name}", model, make, type(model).__name__, f"{size}px")
+
+
+def _fixed_size(model: nn.Module) -> bool:
+    cfg = getattr(model, "pretrained_cfg", {}) or {}
+    return bool(cfg.get("fixed_input_size"))
+
+
+# ---------------------------------------------------------------- diffusers
+
+
+def _diffusers():
+    if not enable_census_site():
+        raise BuildError(f"diffusers is not installed: run scripts/census once (it installs the census extra into {census_site()})")
+    import diffusers
+
+    diffusers.utils.logging.set_verbosity_error()
+    return diffusers
+
+
+def _unet2d_condition() -> tuple[nn.Module, MakeInputs]:
+    d = _diffusers()
+    model = d.UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
+    )
+    return model, lambda b: ((torch.randn(b, 4, 16, 16, generator=_gen(b)), torch.tensor([10] * b)), {"encoder_hidden_states": torch.randn(b, 6, 32, generator=_gen(b + 1))})
+
+
+def _unet2d() -> tuple[nn.Module, MakeInputs]:
+    d = _diffusers()
+    model = d.UNet2DModel(
+        sample_size=16, in_channels=3, out_channels=3, block_out_channels=(32, 64), layers_per_block=1,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8,
+    )
+    return model, lambda b: ((torch.randn(b, 3, 16, 16, generator=_gen(b)), torch.tensor([10] * b)), {})
+
+
+def _autoencoder_kl() -> tuple[nn.Module, MakeInputs]:
+    d = _diffusers()
+    model = d.AutoencoderKL(
+        in_channels=3, out_channels=3, block_out_channels=(32, 64), layers_per_block=1, latent_channels=4, norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, sample_size=32,
+    )
+    return model, lambda b: ((torch.randn(b, 3, 32, 32, generator=_gen(b)),), {})
+
+
+def _dit() -> tuple[nn.Module, MakeInputs]:
+    d = _diffusers()
+    model = d.DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=1000,
+    )
+    return model, lambda b: ((torch.randn(b, 4, 8, 8, generator=_gen(b)),), {"timestep": torch.tensor([10] * b), "class_labels": torch.arange(b) % 10})
+
+
+def _pixart() -> tuple[nn.Module, MakeInputs]:
+    d = _diffusers()
+    model = d.PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2, sample_size=8, patch_size=2,
+        cross_attention_dim=32, caption_channels=24, use_additional_conditions=False,
+    )
+    return model, lambda b: (
+        (torch.randn(b, 4, 8, 8, generator=_gen(b)),),
+        {"encoder_hidden_states": torch.randn(b, 6, 24, generator=_gen(b + 1)), "timestep": torch.tensor([10] * b), "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}},
+    )
+
+
+def _sd3() -> tuple[nn.Module, MakeInputs]:
+    d = _diffusers()
+    model = d.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16,
+    )
+    return model, lambda b: (
+        (torch.randn(b, 4, 8, 8, generator=_gen(b)),),
+        {"encoder_hidden_states": torch.randn(b, 6, 32, generator=_gen(b + 1)), "pooled_projections": torch.randn(b, 16, generator=_gen(b + 2)), "timestep": torch.tensor([10] * b)},
+    )
+
+
+def _transformer2d() -> tuple[nn.Module, MakeInputs]:
+    d = _diffusers()
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    model = Transformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=32, num_layers=1, cross_attention_dim=24, norm_num_groups=8)
+    return model, lambda b: ((torch.randn(b, 32, 8, 8, generator=_gen(b)),), {"encoder_hidden_states": torch.randn(b, 6, 24, generator=_gen(b + 1))})
+
+
+def _flux() -> tuple[nn.Module, MakeInputs]:
+    d = _diffusers()
+    model = d.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6),
+    )
+
+    def make(b: int) -> tuple[tuple, dict]:
+        return (), {
+            "hidden_states": torch.randn(b, 16, 16, generator=_gen(b)),
+            "encoder_hidden_states": torch.randn(b, 6, 32, generator=_gen(b + 1)),
+            "pooled_projections": torch.randn(b, 16, generator=_gen(b + 2)),
+            "timestep": torch.tensor([0.5] * b),
+            "img_ids": torch.zeros(16, 3),
+            "txt_ids": torch.zeros(6, 3),
+        }
+
+    return model, make
+
+
+DIFFUSERS_MODELS: dict[str, Callable[[], tuple[nn.Module, MakeInputs]]] = {
+    "unet2d_condition": _unet2d_condition,
+    "unet2d": _unet2d,
+    "autoencoder_kl": _autoencoder_kl,
+    "dit": _dit,
+    "pixart": _pixart,
+    "sd3": _sd3,
+    "transformer2d": _transformer2d,
+    "flux": _flux,
+}
+
+
+def build_diffusers(key: str) -> Built:
+    torch.manual_seed(0)
+    model, make = DIFFUSERS_MODELS[key]()
+
+    def tuple_output(b: int) -> tuple[tuple, dict]:
+        # diffusers' output classes are pytree nodes without key paths, which torch.export refuses
+        # (ValueError: Did not find a flatten_with_keys_fn); tuples keep the numerics checks running.
+        args, kwargs = make(b)
+        return args, {**kwargs, "return_dict": False}
+
+    return Built(f"diffusers/{key}", model.eval(), tuple_output, type(model).__name__, "return_dict=False")
+
+
+# ---------------------------------------------------------------- the population
+
+
+def population(families: tuple[str, ...] = ("hf", "timm", "diffusers")) -> list[str]:
+    names: list[str] = []
+    if "diffusers" in families:
+        names += [f"diffusers/{k}" for k in DIFFUSERS_MODELS]
+    if "timm" in families:
+        names += [f"timm/{n}" for n in TIMM_MODELS]
+    if "hf" in families:
+        names += [f"hf/{t}" for t in hf_model_types()]
+    return names
+
+
+def build(name: str, attempt: int = 0) -> Built:
+    """The model ``name`` (``family/key``); ``attempt`` picks a larger shrink for transformers."""
+    family, _, key = name.partition("/")
+    if family == "hf":
+        return build_hf(key, attempt)
+    if family == "timm":
+        return build_timm(key)
+    if family == "diffusers":
+        return build_diffusers(key)
+    raise BuildError(f"unknown model family {family!r} in {name!r}")
+
+
+def attempts(name: str) -> int:
+    return len(HF_ATTEMPTS) if name.startswith("hf/") else 1
