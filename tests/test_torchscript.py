@@ -6,6 +6,8 @@ The acceptance model is the AMP tutorial's checkerboard ``Net`` written as a Scr
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -137,3 +139,28 @@ def test_an_already_optimized_script_is_refused_with_the_way_out():
             F.mse_loss(warm(x), y).backward()
     with pytest.raises(graphamp.ScriptCaptureError, match="already optimized the code of Net.*Way out: convert"):
         graphamp.convert(fresh, (x,), dtype=torch.float16)
+
+
+def test_a_deep_copied_script_module_converts_with_eagers_gradient_path():
+    # copy.deepcopy of a ScriptModule copies its parameters as clones: plain tensors that are not
+    # leaves, whose gradient flows (in eager too) to the original's Parameters. The converted module
+    # keeps them as the copy lists them, so values and that gradient path are eager's.
+    torch.manual_seed(0)
+    original = torch.jit.script(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3)))
+    copied = copy.deepcopy(original)
+    x = torch.randn(2, 4)
+    amp = graphamp.convert(copied, (x,), dtype=torch.bfloat16)
+    assert [p is q for p, q in zip(amp.parameters(), copied.parameters())] == [True] * 4
+    assert list(amp.state_dict()) == list(copied.state_dict())
+
+    def run(call):
+        original.zero_grad(set_to_none=True)
+        out = call()
+        out.float().pow(2).sum().backward()
+        return out, [p.grad for p in original.parameters()]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_grads = run(lambda: copied(x))
+    got, got_grads = run(lambda: amp(x))
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert all(g is not None and torch.equal(g, w) for g, w in zip(got_grads, want_grads))

@@ -1,0 +1,233 @@
+"""capture's fallbacks: static sizes where symbolic ones fail, a conversion per shape class, and
+what stays refused (outputs a graph cannot return) with the way out."""
+
+import copy
+import io
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphamp
+import graphamp.emit
+from helpers import assert_exact
+
+
+class SymBoolCausal(nn.Module):
+    """``is_causal`` computed from a length: with a symbolic length it reaches sdpa as a SymBool,
+    which sdpa refuses (DETR, Conditional DETR and Segformer build their masks so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=n > 1).transpose(1, 2).reshape(b, n, 8)
+
+
+class BatchNotOne(nn.Module):
+    """Branches on ``batch != 1``, as transformers' masking_utils does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if x.shape[0] != 1:
+            return h.softmax(-1) * 2
+        return h
+
+
+def _variants(amp):
+    return amp.__dict__.get("_graphamp_variants", [])
+
+
+def test_symbolic_sizes_that_fail_are_captured_static_and_exact():
+    model, x = SymBoolCausal(), torch.randn(2, 5, 8)
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)
+    assert amp.meta["graphamp_captured_static"]
+    assert_exact(model, amp, (x,), {}, torch.bfloat16)
+
+
+def test_other_shapes_convert_again_once_each_and_share_the_parameters(caplog):
+    model = SymBoolCausal()
+    amp = graphamp.convert(model, (torch.randn(2, 5, 8),), dtype=torch.bfloat16)
+    with caplog.at_level("INFO", logger="graphamp"):
+        for shape in [(3, 5, 8), (2, 1, 8), (3, 5, 8), (1, 7, 8)]:
+            assert_exact(model, amp, (torch.randn(shape),), {}, torch.bfloat16)
+    assert len(_variants(amp)) == 3  # (3, 5, 8) the second time runs the module converted the first
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO", "INFO"]
+    assert "shape class 1 of at most 8" in caplog.records[0].getMessage()
+    for variant in _variants(amp):
+        assert variant.get_parameter("qkv.weight") is model.qkv.weight
+    assert list(amp.state_dict()) == list(model.state_dict())  # the variants are not submodules
+
+
+def test_a_branch_on_batch_not_one_is_checked_not_silently_taken():
+    # backed_size_oblivious leaves batch's range open at 1: the graph of batch 2 holds the
+    # `!= 1` branch, so the guard must test the condition itself.
+    model = BatchNotOne()
+    amp = graphamp.convert(model, (torch.randn(2, 4),), dtype=torch.bfloat16)
+    assert_exact(model, amp, (torch.randn(1, 4),), {}, torch.bfloat16)
+    assert_exact(model, amp, (torch.randn(3, 4),), {}, torch.bfloat16)
+    assert len(_variants(amp)) == 1
+
+
+def test_dtype_rank_and_structure_stay_input_mismatches():
+    model, x = SymBoolCausal(), torch.randn(2, 5, 8)
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)
+    for call in [lambda: amp(x.double()), lambda: amp(x[0]), lambda: amp(x, x)]:
+        with pytest.raises(graphamp.InputMismatchError) as info:
+            call()
+        assert not isinstance(info.value, graphamp.InputShapeError)
+    assert not _variants(amp)
+
+
+def test_a_shape_the_model_rejects_is_an_input_shape_error_naming_both():
+    amp = graphamp.convert(SymBoolCausal(), (torch.randn(2, 5, 8),))
+    with pytest.raises(graphamp.InputShapeError, match=r"dim 2 is 6, .*fixed it to 8.*Converting SymBoolCausal again .* failed"):
+        amp(torch.randn(2, 5, 6))
+    assert not _variants(amp)
+
+
+def test_the_number_of_shape_classes_is_bounded(monkeypatch):
+    monkeypatch.setattr(graphamp.emit, "MAX_SHAPE_CLASSES", 2)
+    model = SymBoolCausal()
+    amp = graphamp.convert(model, (torch.randn(2, 5, 8),))
+    amp(torch.randn(1, 5, 8))
+    amp(torch.randn(3, 5, 8))
+    with pytest.raises(graphamp.InputShapeError, match="already converted itself for 2 other shape classes.*Way out: pad"):
+        amp(torch.randn(4, 5, 8))
+    amp(torch.randn(1, 5, 8))  # the shape classes it holds still run
+
+
+def test_a_model_left_in_another_mode_converts_again_in_the_modules_mode():
+    model = nn.Sequential(SymBoolCausal(), nn.Dropout(0.0), nn.BatchNorm1d(5))
+    amp = graphamp.convert(model, (torch.randn(2, 5, 8),))
+    model.eval()
+    flags = [m.training for m in model.modules()]
+    amp(torch.randn(3, 5, 8))
+    assert _variants(amp)[0].graphamp_info.training
+    assert [m.training for m in model.modules()] == flags  # restored after the conversion
+
+
+class Stateful(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = SymBoolCausal()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.attn(x))
+
+
+def _save_load(amp):
+    buf = io.BytesIO()
+    torch.save(amp, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_a_loaded_module_converts_again_with_the_model_saved_along():
+    model = Stateful()
+    amp = graphamp.convert(model, (torch.randn(2, 5, 8),))
+    loaded = _save_load(amp)
+    source = loaded.__dict__["_graphamp_model"]
+    assert loaded.get_parameter("attn.qkv.weight") is source.attn.qkv.weight  # one object, as before saving
+    assert sorted(loaded.state_dict()) == sorted(model.state_dict())  # loading orders them as the code reads them
+    assert_exact(source, loaded, (torch.randn(3, 4, 8),), {}, torch.bfloat16)
+    assert _variants(loaded)[0].get_parameter("norm.weight") is source.norm.weight
+
+
+def test_a_model_that_cannot_be_pickled_is_saved_without_and_says_so():
+    class Local(SymBoolCausal):  # pickle cannot find a class defined in a function
+        pass
+
+    amp = graphamp.convert(Local(), (torch.randn(2, 5, 8),))
+    loaded = _save_load(amp)
+    loaded(torch.randn(2, 5, 8))
+    with pytest.raises(graphamp.InputShapeError, match="holds no reference to its model.*Way out: call graphamp.convert again"):
+        loaded(torch.randn(3, 5, 8))
+
+
+def test_training_through_a_shape_class_updates_the_models_parameters():
+    model = SymBoolCausal()
+    amp = graphamp.convert(model, (torch.randn(2, 5, 8),))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.qkv.weight.detach().clone()
+    amp(torch.randn(3, 5, 8)).float().pow(2).mean().backward()
+    opt.step()
+    assert not torch.equal(model.qkv.weight, before)
+    assert_exact(model, amp, (torch.randn(3, 5, 8),), {}, torch.bfloat16)  # sees the updated weights
+
+
+class ReturnsState:
+    """An object no pytree knows, holding tensors, as a Hugging Face cache is."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class WithState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x), ReturnsState(x)
+
+
+def test_an_unknown_output_type_is_named_with_the_way_out(capfd):
+    with pytest.raises(graphamp.CaptureError, match=r"returns a .*ReturnsState in its outputs.*register_pytree_node") as info:
+        graphamp.convert(WithState(), (torch.randn(2, 4),))
+    assert "cannot vary" not in str(info.value)
+    assert capfd.readouterr().out == ""
+
+
+def test_a_decoder_returning_its_cache_says_use_cache_false():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with pytest.raises(graphamp.CaptureError, match=r"returns a DynamicCache .*Way out: pass use_cache=False") as info:
+        graphamp.convert(model, (torch.randint(0, 64, (2, 6)),))
+    assert "cannot vary" not in str(info.value)
+
+
+def test_swin_takes_batch_one_after_batch_two():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)
+    model = transformers.SwinModel(config).eval()
+    amp = graphamp.convert(model, (torch.randn(2, 3, 32, 32),), dtype=torch.bfloat16)
+    assert_exact(model, amp, (torch.randn(1, 3, 32, 32),), {}, torch.bfloat16)
+
+
+def test_detr_converts_static_and_takes_other_shapes():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    backbone = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], out_features=["stage2"])
+    config = transformers.DetrConfig(
+        use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone, d_model=32, encoder_layers=1,
+        decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        num_queries=5,
+    )
+    model = transformers.DetrModel(config).eval()
+    x = torch.randn(2, 3, 32, 32)
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)
+    assert amp.meta["graphamp_captured_static"]
+    assert_exact(model, amp, (x,), {}, torch.bfloat16)
+    assert_exact(model, amp, (torch.randn(1, 3, 32, 48),), {}, torch.bfloat16)
+
+
+def test_a_failed_symbolic_capture_leaves_the_inputs_unmarked():
+    x = torch.randn(2, 5, 8)
+    graphamp.convert(SymBoolCausal(), (x,))
+    assert not [k for k in vars(x) if re.match("_dynamo|_has_dynamo", k)]
+    copy.deepcopy(x)  # a plain tensor again
