@@ -165,8 +165,7 @@ def test_roformer_exact_with_padding(dtype: torch.dtype) -> None:
     assert _grad_differences(amp, model, args, kwargs, dtype) == []
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_roformer_without_padding_is_not_silent(dtype: torch.dtype) -> None:
+def test_roformer_without_padding_is_not_silent() -> None:
     model = _roformer(masked_lm=False)
     args, kwargs = _roformer_inputs(padded=False)
-    _assert_exact_or_refused(model, args, kwargs, dtype)
+    _assert_exact_or_refused(model, args, kwargs, torch.bfloat16)
