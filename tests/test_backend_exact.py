@@ -5,12 +5,15 @@ weight that autocast's cache casts once for two uses, and nn.LSTM on the kernel 
 Every check compares with eager autocast on the machine the test runs on.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import graphamp.backend.observe as observe
+from graphamp.errors import EagerPathWarning
 from graphamp.backend.observe import frame_arguments
 from graphamp.passes.follow_eager_attention import SDPA
 from graphamp.policy import lstm_uses_onednn
@@ -158,6 +161,56 @@ def test_a_frozen_weight_used_twice_is_cast_twice_as_autocast_does(dtype):
     out = compiled(model, dtype)(x)
     _loss(out).backward()
     assert torch.equal(out, ref) and torch.equal(x.grad, ref_grad)
+
+
+# Code that reads a tensor's dtype: dynamo, tracing outside torch.autocast, sees the fp32 program.
+
+class ReadsDtype(nn.Module):
+    """RMSNorm as transformers writes it, after a projection autocast runs in low precision."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.weight = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        h = self.proj(x)
+        input_dtype = h.dtype
+        h = h.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(input_dtype)
+
+
+def test_code_reading_dtypes_outside_autocast_warns_with_the_way_out():
+    torch.manual_seed(0)
+    model, x = ReadsDtype(), torch.randn(4, 16)
+    with pytest.warns(EagerPathWarning, match=r"ReadsDtype.forward.*torch.autocast\('cpu', dtype=torch.bfloat16\)"):
+        out = compiled(model, torch.bfloat16)(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+    assert not torch.equal(out, ref)  # what the warning is about: the fp32 program's values
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_code_reading_dtypes_inside_autocast_is_bitwise_without_a_warning(dtype):
+    torch.manual_seed(0)
+    model, x = ReadsDtype(), torch.randn(4, 16)
+    ref, ref_grads = run_eager(model, (x,), {}, dtype, grads=True)
+    cm = compiled(model, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerPathWarning)
+        with torch.autocast("cpu", dtype=dtype):
+            out = cm(x)
+    _loss(out).backward()
+    assert_same_outputs(out, ref)
+    assert_same_grads({n: p.grad for n, p in model.named_parameters()}, ref_grads)
+
+
+def test_code_not_reading_dtypes_does_not_warn():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerPathWarning)
+        compiled(SharedWeight(), torch.bfloat16)(torch.randn(4, 16))
 
 
 # nn.LSTM: the graph takes the kernel eager's aten::lstm picks on this machine.

@@ -32,7 +32,7 @@ from graphamp.passes import build_pipeline, check_dtypes, run_passes
 from graphamp.policy import DEVICE_TYPES
 from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type, resolve_dtype
 from graphamp.backend.options import BackendOptions
-from graphamp.backend.observe import Frame, compiled_frame, observe_eager_frame
+from graphamp.backend.observe import Frame, compiled_frame, observe_eager_frame, warn_if_fp32_program
 from graphamp.backend.retrace import _retrace
 from graphamp.backend.options import INNER_COMPILERS
 from graphamp.backend.weight_casts import share_parameter_casts
@@ -73,8 +73,12 @@ def graphamp_backend(
     inference = not torch.is_grad_enabled() and not _enables_grad(gm)
     spec = AmpSpec(device_type, resolve_dtype(opts.dtype, device_type), opts.mode, inference, opts.config or Config(), target="aot")
     ambient = torch.is_autocast_enabled(device_type)
+    frame = compiled_frame()
+    if not ambient and spec.mode == "exact":
+        # Outside torch.autocast dynamo traced the model's Python in fp32; say so where it matters.
+        warn_if_fp32_program(frame, device_type=device_type, dtype=spec.dtype)
     with autocast_off():
-        amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=compiled_frame())
+        amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=frame)
         compiled = _hand_off(amp_gm, example_inputs, opts.inner, mode)
     return _run_without_autocast(compiled)
 

@@ -16,19 +16,25 @@ dynamo traced.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.fx import GraphModule
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
+from graphamp.errors import EagerPathWarning
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
-from graphamp.probe import SdpaCall, eager_sdpa_calls
+from graphamp.probe import SdpaCall, _state_restored, eager_sdpa_calls
+from graphamp.spec import ambient_autocast
 
-__all__ = ["Frame", "compiled_frame", "observe_eager_frame"]
+__all__ = ["Frame", "compiled_frame", "dtype_arguments", "observe_eager_frame", "warn_if_fp32_program"]
 
 
 class Frame(NamedTuple):
@@ -128,3 +134,65 @@ def observe_eager_frame(gm: GraphModule, *, device_type: str, dtype: torch.dtype
     calls = eager_frame_sdpa_calls(frame, device_type=device_type, dtype=dtype)
     if calls is not None and len(calls) >= len(nodes):
         gm.meta[EAGER_SDPA] = calls[: len(nodes)]
+
+
+class _RecordDtypes(TorchFunctionMode):
+    """Every (function, dtype) pair the code passes a ``torch.dtype`` to: ``x.to(input_dtype)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: set[tuple[str, torch.dtype]] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.dtype):
+                self.calls.add((getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func)), leaf))
+        return func(*args, **kwargs)
+
+
+def dtype_arguments(frame: Frame, *, device_type: str, dtype: torch.dtype | None) -> set[tuple[str, torch.dtype]] | None:
+    """The (function, dtype) pairs the frame's code passes when run eagerly, under autocast to
+    ``dtype`` (None: without autocast); None if it cannot run.
+
+    A set, not a sequence: how often a loop runs may depend on values (which experts a router
+    picks), and those differ between the two runs without the code choosing another program.
+    """
+    call = _EagerCall(frame.fn, _modules_reached(frame))
+    recorder = _RecordDtypes()
+    region = ambient_autocast(device_type, dtype) if dtype is not None else contextlib.nullcontext()
+    try:
+        with _state_restored(call), torch.no_grad(), region, recorder:
+            call(*frame.args, **frame.kwargs)
+    except Exception:  # advisory, as the attention probe: code that cannot run here is not judged
+        return None
+    return recorder.calls
+
+
+def _name_of(frame: Frame) -> str:
+    modules = _modules_reached(frame)
+    return f"{type(modules[0]).__name__}.forward" if modules else frame.fn.__qualname__
+
+
+def warn_if_fp32_program(frame: Frame | None, *, device_type: str, dtype: torch.dtype) -> bool:
+    """Warn if the frame's code, which dynamo traced without autocast, passes other dtypes under
+    autocast (``x.to(input_dtype)`` after reading a tensor's dtype): the graph holds the fp32
+    program's choices, so its values may differ from eager autocast's. Returns whether it warned.
+    """
+    if frame is None:
+        return False
+    low = dtype_arguments(frame, device_type=device_type, dtype=dtype)
+    fp32 = dtype_arguments(frame, device_type=device_type, dtype=None)
+    if low is None or fp32 is None or low == fp32:
+        return False
+    only_low = sorted(f"{name}(..., {d})" for name, d in low - fp32)
+    warnings.warn(
+        f"{_name_of(frame)} reads tensor dtypes to choose its program: under autocast it calls "
+        f"{', '.join(only_low[:4]) or 'other dtype arguments'}, which dynamo, tracing without autocast, "
+        "did not see (it traced the fp32 program, e.g. RMSNorm's x.to(input_dtype) as a no-op), so the "
+        "compiled values may differ from eager autocast's. Way out: call the compiled model inside "
+        f"torch.autocast({device_type!r}, dtype={dtype}); graphamp's casts stay the only ones applied.",
+        EagerPathWarning,
+        stacklevel=3,
+    )
+    return True
