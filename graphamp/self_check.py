@@ -82,7 +82,8 @@ def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: d
         warnings.warn(f"graphamp.convert's self-check was skipped: {problem}", PolicyDriftWarning, stacklevel=3)
         return SelfCheck(ok=True, grads=False, seconds=time.perf_counter() - start, problem=problem)
     try:
-        got = _run(lambda: amp(*args, **kwargs), model, grads=grads, no_grad=spec.inference)
+        amp_args, amp_kwargs = _fp32_interface((args, kwargs)) if spec.keep_io_types else (args, kwargs)
+        got = _run(lambda: amp(*amp_args, **amp_kwargs), model, grads=grads, no_grad=spec.inference)
     except Exception as e:
         raise PolicyDriftError(
             f"graphamp.convert's self-check: the converted {type(model).__name__} fails on the example that eager "
@@ -92,13 +93,24 @@ def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: d
     problem = _difference(got, ref, keep_io_types=spec.keep_io_types)
     if not problem:
         return SelfCheck(ok=True, grads=grads, seconds=time.perf_counter() - start)
-    where = _first_divergence(amp, model, args, kwargs, spec, grads=grads and problem.startswith("gradient"))
+    where, other_path = _first_divergence(amp, model, args, kwargs, spec, grads=grads and problem.startswith("gradient"))
+    if other_path:
+        way_out = (
+            "Some ops ran on one side only: the model's code takes another path when traced than in eager "
+            "(it reads tensor values, checks for fake tensors or torch.compiler.is_compiling()), and no trace "
+            "reproduces its eager program on this example (torch.compile takes the traced path too). Way out: "
+            "eager torch.autocast for this model; or, if the difference is acceptable, convert(..., "
+            "self_check='warn'), which returns the module anyway."
+        )
+    else:
+        way_out = (
+            "Way out: report it (it is a graphamp bug); meanwhile use eager torch.autocast for this model, or "
+            "torch.compile(model, backend=\"graphamp\") and check it with graphamp.verify(model, args, grads=True); "
+            "convert(..., self_check='warn') returns the module anyway."
+        )
     message = (
         f"graphamp.convert's self-check: the converted {type(model).__name__} differs from eager torch.autocast"
-        f"({spec.device_type}, {spec.dtype}) on the example: {problem}.{where} Way out: report it (it is a graphamp "
-        "bug); meanwhile use eager torch.autocast for this model, or torch.compile(model, backend=\"graphamp\") "
-        "and check it with graphamp.verify(model, args, grads=True); convert(..., self_check='warn') returns "
-        "the module anyway."
+        f"({spec.device_type}, {spec.dtype}) on the example: {problem}.{where} {way_out}"
     )
     result = SelfCheck(ok=False, grads=grads, seconds=time.perf_counter() - start, problem=problem)
     if on_drift == "raise":
@@ -113,6 +125,13 @@ class _Side:
     def __init__(self, outputs: Any, grads: dict[str, torch.Tensor | None]) -> None:
         self.outputs = outputs
         self.grads = grads
+
+
+def _fp32_interface(inputs: Any) -> Any:
+    """keep_io_types takes in fp32 the floating inputs the example gave in bf16/fp16 (and casts them
+    back inside, so the values eager saw are the ones the graph sees)."""
+    low = (torch.bfloat16, torch.float16)
+    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in low else t, inputs)
 
 
 def _autocast_call(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> Any:
@@ -197,8 +216,9 @@ def _difference(got: _Side, ref: _Side, *, keep_io_types: bool) -> str:
     return ""
 
 
-def _first_divergence(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, grads: bool) -> str:
-    """verify's first divergent node of this very conversion, as a sentence."""
+def _first_divergence(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, grads: bool) -> tuple[str, bool]:
+    """verify's first divergent node of this very conversion, as a sentence, and whether ops ran
+    on one side only (the capture took another path than eager)."""
     from graphamp.verify import _verify
 
     try:
@@ -209,9 +229,12 @@ def _first_divergence(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dic
                 grads=grads, amp=amp,
             )
     except Exception as e:  # locating is a courtesy; the difference itself is already established
-        return f" (graphamp.verify could not locate the first divergent node: {type(e).__name__}: {str(e).strip()[:150]})"
+        return f" (graphamp.verify could not locate the first divergent node: {type(e).__name__}: {str(e).strip()[:150]})", False
+    one_side = [n for n in report.notes if "only in graphamp" in n or "on one side only" in n]
+    other_path = report.structure_differences > 0 or bool(one_side)
+    extra = f" ({one_side[0]})" if one_side else ""
     if report.divergence is not None:
-        return f" First divergent node: {report.divergence.describe()}."
+        return f" First divergent node: {report.divergence.describe()}{extra}.", other_path
     if report.grad_divergence is not None:
-        return f" First divergent backward node: {report.grad_divergence.describe()}."
-    return " graphamp.verify finds no op whose dtypes differ: the capture holds another program than eager runs."
+        return f" First divergent backward node: {report.grad_divergence.describe()}{extra}.", other_path
+    return f" graphamp.verify finds no op whose dtypes differ: the capture holds another program than eager runs{extra}.", True

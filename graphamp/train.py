@@ -33,6 +33,7 @@ from graphamp.config import Config
 from graphamp.convert import _convert
 from graphamp.emit import AmpModule
 from graphamp.errors import InputMismatchError
+from graphamp.self_check import SELF_CHECK_META, applies, check_against_eager, check_self_check
 from graphamp.spec import AmpSpec, autocast_off, check_device
 
 __all__ = ["TrainStep", "LossModule", "SCALER_MODES"]
@@ -247,6 +248,10 @@ class TrainStep:
             gradient is that of the mean loss; under DDP the calls before the last of a window run
             under ``no_sync()``. Checkpoint at window ends (``step.stepped``).
         config: a :class:`graphamp.Config` passed to :func:`graphamp.convert`.
+        self_check: as :func:`graphamp.convert`'s: on the first call, the converted model-and-loss
+            and eager autocast run that batch once more (same random state, buffers restored) and
+            the loss and every parameter gradient must be bitwise equal; "raise" (default),
+            "warn" or "off".
 
     Attributes:
         module: the converted model+loss (an :class:`AmpModule`), after the first call.
@@ -288,8 +293,10 @@ class TrainStep:
         max_grad_norm: float | None = None,
         accumulate: int = 1,
         config: Config | None = None,
+        self_check: str | bool = "raise",
     ) -> None:
         _check_args(model, loss_fn, optimizer, max_grad_norm, accumulate, config)
+        self.on_drift = check_self_check(self_check)
         self.model = model
         self.inner = model.module if isinstance(model, DistributedDataParallel) else model
         self.loss_fn = loss_fn
@@ -356,7 +363,10 @@ class TrainStep:
         wrapper = LossModule(self.inner, self.loss_fn)
         inputs = (args, kwargs, target)
         check_device(self.spec.device_type, wrapper, inputs)
-        return _convert(wrapper, inputs, {}, self.spec)
+        amp = _convert(wrapper, inputs, {}, self.spec)
+        if self.on_drift != "off" and applies(self.spec, wrapper, inputs, {}):
+            amp.meta[SELF_CHECK_META] = check_against_eager(amp, wrapper, inputs, {}, self.spec, on_drift=self.on_drift)
+        return amp
 
     def _loss(self, args: tuple, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         module = self.module

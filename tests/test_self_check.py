@@ -146,3 +146,24 @@ def test_a_bad_self_check_value_is_a_value_error(bad: object) -> None:
 def test_keep_io_types_compares_fp32_outputs_with_eagers_values() -> None:
     amp = graphamp.convert(nn.Sequential(nn.Linear(8, 8)), (_x(),), keep_io_types=True)
     assert amp.meta[SELF_CHECK_META].ok and amp(_x()).dtype == torch.float32
+
+
+def test_trainstep_checks_its_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Block()
+    step = graphamp.TrainStep(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    step(_x(), target=torch.zeros(4, 8))
+    assert step.module.meta[SELF_CHECK_META].ok and step.module.meta[SELF_CHECK_META].grads
+
+    train_module = sys.modules["graphamp.train"]
+    real = train_module._convert
+
+    def wrong(model, args, kwargs, spec, **kw):
+        return real(model, args, kwargs, dataclasses.replace(spec, config=Config(op_overrides={"layer_norm": "lower_precision_fp"})), **kw)
+
+    monkeypatch.setattr(train_module, "_convert", wrong)
+    model = Block()
+    before = [p.detach().clone() for p in model.parameters()]
+    step = graphamp.TrainStep(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.float16)
+    with pytest.raises(graphamp.PolicyDriftError, match=r"(?s)gradient of model\.proj\.weight differs.*module model\.norm"):
+        step(_x(), target=torch.zeros(4, 8))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
