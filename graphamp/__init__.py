@@ -5,6 +5,7 @@
 in mixed precision with no runtime autocast.
 """
 
+from graphamp.capture.dynamo import DynamoAmpModule
 from graphamp.config import Config
 from graphamp.convert import convert
 from graphamp.emit import AmpInfo, AmpModule
@@ -44,6 +45,7 @@ __all__ = [
     "Category",
     "Config",
     "DeviceMismatchError",
+    "DynamoAmpModule",
     "GraphampError",
     "InputMismatchError",
     "InputShapeError",

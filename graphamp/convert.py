@@ -12,8 +12,10 @@ from torch import nn
 
 from graphamp import hardware
 from graphamp.capture import capture
+from graphamp.capture.dynamo import dynamo_fallback, needs_graph_breaks
 from graphamp.config import Config
 from graphamp.emit import AmpModule, emit
+from graphamp.errors import CaptureError
 from graphamp.passes import build_pipeline, run_passes
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.passes.autotune import PLAN_META, checks_accuracy
@@ -94,7 +96,12 @@ def convert(
     )
     if spec.mode == "exact":
         hardware.warn_if_emulated(spec.device_type, spec.dtype)
-    amp = _convert(model, args, kwargs, spec)
+    try:
+        amp = _convert(model, args, kwargs, spec)
+    except CaptureError as e:
+        if not needs_graph_breaks(e):
+            raise
+        amp = dynamo_fallback(model, args, kwargs, spec, e)
     if on_drift != "off" and applies(spec, model, args, kwargs):
         amp.meta[SELF_CHECK_META] = check_against_eager(amp, model, args, kwargs, spec, on_drift=on_drift)
     return amp

@@ -231,3 +231,72 @@ def test_a_failed_symbolic_capture_leaves_the_inputs_unmarked():
     graphamp.convert(SymBoolCausal(), (x,))
     assert not [k for k in vars(x) if re.match("_dynamo|_has_dynamo", k)]
     copy.deepcopy(x)  # a plain tensor again
+
+
+class ValueBranch(nn.Module):
+    """A Python branch on a tensor's value: torch.export refuses it at any size."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.norm = nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.float().sum() > 0:
+            h = self.b(h).softmax(-1)
+        else:
+            h = self.norm(h) @ self.b.weight
+        return self.norm(h)
+
+
+def test_a_value_branch_falls_back_to_dynamo_and_is_exact_on_both_branches(capfd):
+    model = ValueBranch()
+    x = torch.randn(4, 8)
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)
+    assert isinstance(amp, graphamp.DynamoAmpModule) and "dynamo fallback" in repr(amp)
+    assert amp.cast_summary()["fallback"] == "dynamo" and "data-dependent" in amp.cast_summary()["reason"]
+    assert list(amp.state_dict()) == list(model.state_dict())
+    assert all(p is q for p, q in zip(amp.parameters(), model.parameters()))
+    assert not model._forward_pre_hooks and not model._forward_hooks and "_orig_mod" not in model._modules
+    signs = set()
+    for i in range(6):
+        torch.manual_seed(i)
+        x = torch.randn(4, 8)
+        signs.add(bool(model.a(x).sum() > 0))
+        assert_exact(model, amp, (x,), {}, torch.bfloat16)
+    assert signs == {True, False}
+    assert_exact(model, amp, (torch.randn(3, 2, 8),), {}, torch.bfloat16)  # dynamo recompiles for the rank
+    assert capfd.readouterr().out == ""
+
+
+def test_a_dynamo_fallback_refuses_pickling_with_the_way_out():
+    amp = graphamp.convert(ValueBranch(), (torch.randn(4, 8),))
+    with pytest.raises(TypeError, match="state_dict"):
+        torch.save(amp, io.BytesIO())
+
+
+class FailsOnTheExample(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            raise ValueError("positive sums are not supported")
+        return x
+
+
+def test_what_dynamo_cannot_run_either_is_a_capture_error_with_file_and_line():
+    with pytest.raises(graphamp.CaptureError, match=r"torch.compile with graph breaks failed too, at test_capture_fallback.py:\d+: ValueError") as info:
+        graphamp.convert(FailsOnTheExample(), (torch.ones(3),))
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_fsmt_converts_with_graph_breaks_and_is_exact():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FSMTConfig(
+        langs=["en", "de"], src_vocab_size=64, tgt_vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+    )
+    model = transformers.FSMTModel(config).eval()
+    kwargs = {"input_ids": torch.randint(4, 64, (2, 6)), "decoder_input_ids": torch.randint(4, 64, (2, 5)), "use_cache": False}
+    amp = graphamp.convert(model, (), kwargs, dtype=torch.bfloat16)
+    assert isinstance(amp, graphamp.DynamoAmpModule)
+    assert_exact(model, amp, (), kwargs, torch.bfloat16)

@@ -181,7 +181,7 @@ def _export(
         _quiet_on_failure(),
         _eager_flags(model) if eager_flags else contextlib.nullcontext(),
         _dim_marks_restored((args, kwargs)),
-        _meta_failures_unlogged(),
+        _failure_logs_dropped(),
         keeper,
     ):
         # nn.RNN* re-assign _flat_weights during tracing; export warns about it, harmlessly.
@@ -190,20 +190,29 @@ def _export(
     return ep, keeper
 
 
-def _drop_meta_failure(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("failed while attempting to run meta")
+# What torch logs (to stderr) on the way to an exception that reaches graphamp, which raises it
+# with the construct and the way out: every failing meta kernel with its traceback, and each
+# data-dependent size it cannot trace back to the model's code.
+_FAILURE_LOGS = {
+    "torch._subclasses.fake_tensor": "failed while attempting to run meta",
+    "torch.fx.experimental.symbolic_shapes": "Unable to find user code corresponding to",
+}
+
+
+def _drop_failure_log(record: logging.LogRecord) -> bool:
+    return not any(record.getMessage().startswith(prefix) for prefix in _FAILURE_LOGS.values())
 
 
 @contextlib.contextmanager
-def _meta_failures_unlogged() -> Iterator[None]:
-    """Fake tensors log every failing meta kernel with its traceback (to stderr) before raising;
-    the error reaches graphamp, which raises it with the construct and the way out."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    logger.addFilter(_drop_meta_failure)
+def _failure_logs_dropped() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _FAILURE_LOGS]
+    for logger in loggers:
+        logger.addFilter(_drop_failure_log)
     try:
         yield
     finally:
-        logger.removeFilter(_drop_meta_failure)
+        for logger in loggers:
+            logger.removeFilter(_drop_failure_log)
 
 
 _DIM_MARKS = ("_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices", "_dynamo_dynamic_range",
