@@ -121,6 +121,34 @@ def test_attention_that_repeats_heads_in_eager_keeps_them(dtype):
     assert_exact_compiled(RepeatedHeads(), (torch.randn(2, 5, 16),), {}, dtype)
 
 
+class GroupsWhenEager(nn.Module):
+    """transformers' construct by hand: grouped heads in eager, repeated ones when compiled."""
+
+    def __init__(self, graph_break: bool) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.graph_break = graph_break
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 4).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 8).transpose(1, 2).split(4, dim=-1)
+        if self.graph_break:
+            torch._dynamo.graph_break()  # the attention lands in the graph of a resume function
+        if not torch.compiler.is_compiling():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        k = k[:, :, None].expand(b, 2, 2, s, 4).reshape(b, 4, s, 4)
+        v = v[:, :, None].expand(b, 2, 2, s, 4).reshape(b, 4, s, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("graph_break", [False, True], ids=["one_graph", "graph_break"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_heads_in_eager_are_followed_in_any_graph(dtype, graph_break):
+    torch.manual_seed(0)
+    assert_exact_compiled(GroupsWhenEager(graph_break), (torch.randn(2, 5, 16),), {}, dtype)
+
+
 def test_frame_arguments_rebuild_the_call():
     def f(a, b=2, *rest, k, **more):
         pass
