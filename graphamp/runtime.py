@@ -64,6 +64,7 @@ __all__ = [
     "read_state",
     "rebuild_amp_module",
     "set_grad_enabled",
+    "size_condition_holds",
 ]
 
 def set_grad_enabled(enabled: bool) -> bool:
@@ -279,7 +280,7 @@ class InputGuard(nn.Module):
                             + "."
                         )
         for source, sizes, where in self.__dict__.get("conditions", ()):
-            if all(size in bound for size in sizes) and not _condition(source, sizes)(*(bound[size] for size in sizes)):
+            if all(size in bound for size in sizes) and not size_condition_holds(source, sizes, [bound[size] for size in sizes]):
                 given = ", ".join(f"{size}={bound[size]}" for size in sizes)
                 raise InputShapeError(
                     f"these inputs' sizes ({given}) fail the condition the model's code tested where the graph "
@@ -291,6 +292,18 @@ class InputGuard(nn.Module):
 def _condition(source: str, sizes: tuple[str, ...]) -> Callable[..., bool]:
     """A size condition's source (torch's PythonPrinter over the size symbols) as a function."""
     return eval(f"lambda {', '.join(sizes)}: bool({source})", {"__builtins__": {}, "bool": bool, "math": math, "min": min, "max": max, "abs": abs})
+
+
+def size_condition_holds(source: str, sizes: tuple[str, ...], values: Sequence[int]) -> bool:
+    """Whether the model's size condition ``source`` holds for these sizes; False where it cannot
+    be evaluated (then the input gets a conversion of its own, which is never wrong).
+
+    >>> assert size_condition_holds("s0 != 1", ("s0",), [2]) and not size_condition_holds("s0 != 1", ("s0",), [1])
+    """
+    try:
+        return _condition(source, sizes)(*values)
+    except Exception:
+        return False
 
 
 def _fast_spec_of(spec: tuple | None, ranges: dict, counts: dict) -> tuple | None | bool:

@@ -203,10 +203,14 @@ def test_a_decoder_returning_its_cache_says_use_cache_false():
 def test_swin_takes_batch_one_after_batch_two():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)
+    config = transformers.SwinConfig(image_size=16, patch_size=4, embed_dim=8, depths=[1], num_heads=[1], window_size=2)
     model = transformers.SwinModel(config).eval()
-    amp = graphamp.convert(model, (torch.randn(2, 3, 32, 32),), dtype=torch.bfloat16)
-    assert_exact(model, amp, (torch.randn(1, 3, 32, 32),), {}, torch.bfloat16)
+    amp = graphamp.convert(model, (torch.randn(2, 3, 16, 16),), dtype=torch.bfloat16)
+    assert_exact(model, amp, (torch.randn(1, 3, 16, 16),), {}, torch.bfloat16)
+    # Swin pads a width that is not a multiple of the patch size: a condition the guard checks.
+    assert any("% 4" in source for source, _, _ in amp._graphamp_guard.conditions)
+    assert_exact(model, amp, (torch.randn(2, 3, 16, 18),), {}, torch.bfloat16)
+    assert len(_variants(amp)) == 2
 
 
 def test_detr_converts_static_and_takes_other_shapes():

@@ -18,6 +18,7 @@ from torch.export import Dim, ShapesCollection
 from torch.utils import _pytree as pytree
 
 from graphamp.capture.functions import _FunctionKeeper
+from graphamp.runtime import size_condition_holds
 from graphamp.spec import ambient_autocast
 
 
@@ -120,12 +121,16 @@ def _model_ranges(ep: torch.export.ExportedProgram) -> tuple[dict, dict[str, str
     return ranges, reasons
 
 
+def _shape_env(ep: torch.export.ExportedProgram) -> Any:
+    vals = pytree.tree_leaves([n.meta.get("val") for n in ep.graph.nodes])
+    fake = next((v for v in vals if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)), None)
+    return fake.fake_mode.shape_env if fake is not None else None
+
+
 def _model_guards(ep: torch.export.ExportedProgram) -> list[tuple[Any, str]]:
     """The conditions on sizes the model's code (not torch's kernels) took while exporting, each
     with where it is (file:line)."""
-    vals = pytree.tree_leaves([n.meta.get("val") for n in ep.graph.nodes])
-    fake = next((v for v in vals if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)), None)
-    shape_env = fake.fake_mode.shape_env if fake is not None else None
+    shape_env = _shape_env(ep)
     found = []
     for guard in shape_env.guards if shape_env is not None else ():
         where = getattr(guard.sloc, "framework_loc", None)
@@ -146,12 +151,16 @@ def _model_conditions(ep: torch.export.ExportedProgram) -> list[tuple[str, tuple
     """
     from torch.utils._sympy.printers import PythonPrinter
 
+    example = getattr(_shape_env(ep), "var_to_val", {})
     conditions = []
     for expr, line in _model_guards(ep):
         if len(expr.free_symbols) == 1 and _is_range(expr):
             continue  # a bound on one size: in range_constraints already
-        source = PythonPrinter().doprint(expr)
-        conditions.append((source, tuple(sorted(str(s) for s in expr.free_symbols)), f"{expr} at {line}"))
+        symbols = sorted(expr.free_symbols, key=str)
+        source, sizes = PythonPrinter().doprint(expr), tuple(str(s) for s in symbols)
+        # Only what the run-time check can evaluate, and which the example itself passes.
+        if all(s in example for s in symbols) and size_condition_holds(source, sizes, [int(example[s]) for s in symbols]):
+            conditions.append((source, sizes, f"{expr} at {line}"))
     return conditions
 
 
