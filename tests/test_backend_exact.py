@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.exc import BackendCompilerFailed
 
 import graphamp.backend.observe as observe
-from graphamp.errors import EagerPathWarning
+from graphamp.errors import EagerPathWarning, PolicyDriftError
 from graphamp.backend.observe import frame_arguments
 from graphamp.passes.follow_eager_attention import SDPA
 from graphamp.policy import lstm_uses_onednn
@@ -239,6 +240,38 @@ def test_code_not_reading_dtypes_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", EagerPathWarning)
         compiled(SharedWeight(), torch.bfloat16)(torch.randn(4, 16))
+
+
+class MasksWithDtypeMin(nn.Module):
+    """DeBERTa's masking: the fill value comes from the scores' dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        scores = self.proj(x)
+        return scores.masked_fill(mask, torch.finfo(scores.dtype).min).softmax(-1)
+
+
+def test_fill_value_beyond_the_low_dtype_is_a_typed_error_with_the_way_out():
+    model, x, mask = MasksWithDtypeMin(), torch.randn(2, 8), torch.rand(2, 8) > 0.5
+    with pytest.raises(BackendCompilerFailed) as info:
+        compiled(model, torch.bfloat16)(x, mask)
+    assert isinstance(info.value.__cause__, PolicyDriftError)
+    assert "torch.autocast('cpu', dtype=torch.bfloat16)" in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fill_value_from_the_dtype_inside_autocast_is_bitwise(dtype):
+    torch.manual_seed(0)
+    model, x, mask = MasksWithDtypeMin(), torch.randn(2, 8), torch.rand(2, 8) > 0.5
+    ref, ref_grads = run_eager(model, (x, mask), {}, dtype, grads=True)
+    with torch.autocast("cpu", dtype=dtype):
+        out = compiled(model, dtype)(x, mask)
+    _loss(out).backward()
+    assert_same_outputs(out, ref)
+    assert_same_grads({n: p.grad for n, p in model.named_parameters()}, ref_grads)
 
 
 # nn.LSTM: the graph takes the kernel eager's aten::lstm picks on this machine.

@@ -34,6 +34,7 @@ from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type
 from graphamp.backend.options import BackendOptions
 from graphamp.backend.observe import Frame, compiled_frame, observe_eager_frame, warn_if_fp32_program
 from graphamp.backend.retrace import _retrace
+from graphamp.backend.fill_values import check_fill_values
 from graphamp.backend.options import INNER_COMPILERS
 from graphamp.backend.weight_casts import share_parameter_casts
 
@@ -102,6 +103,8 @@ def rewrite(
     observe_eager_frame(amp_gm, device_type=spec.device_type, dtype=spec.dtype, frame=frame)
     run_passes(amp_gm, spec, build_pipeline(spec, check=False))
     share_parameter_casts(amp_gm, example_inputs)
+    if not ambient:
+        check_fill_values(amp_gm, device_type=spec.device_type, dtype=spec.dtype)
     if spec.check:
         try:
             check_dtypes(amp_gm, spec)
