@@ -258,8 +258,8 @@ def test_fill_value_beyond_the_low_dtype_is_a_typed_error_with_the_way_out():
     model, x, mask = MasksWithDtypeMin(), torch.randn(2, 8), torch.rand(2, 8) > 0.5
     with pytest.raises(BackendCompilerFailed) as info:
         compiled(model, torch.bfloat16)(x, mask)
-    assert isinstance(info.value.__cause__, PolicyDriftError)
-    assert "torch.autocast('cpu', dtype=torch.bfloat16)" in str(info.value.__cause__)
+    assert isinstance(info.value.inner_exception, PolicyDriftError)
+    assert "torch.autocast('cpu', dtype=torch.bfloat16)" in str(info.value.inner_exception)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
