@@ -170,13 +170,18 @@ class AmpModule(GraphModule):
 
     def _call_shape_class(self, refused: InputShapeError, args: tuple, kwargs: dict) -> Any:
         """Run the module converted for these inputs' shape class, converting it on first use."""
-        for variant in self.__dict__.get(_VARIANTS, ()):
-            try:
-                return variant._call_graph(args, kwargs)
-            except InputShapeError:
-                continue
-        with _RECONVERTING:
-            variant = self._converted_for(refused, args, kwargs)
+        variants = self.__dict__.setdefault(_VARIANTS, [])
+        tried = 0
+        while True:
+            for variant in variants[tried:]:
+                try:
+                    return variant._call_graph(args, kwargs)
+                except InputShapeError:
+                    tried += 1
+            with _RECONVERTING:
+                if len(variants) == tried:  # else another thread converted one meanwhile: try it first
+                    variant = self._converted_for(refused, args, kwargs)
+                    break
         return variant._call_graph(args, kwargs)
 
     def _converted_for(self, refused: InputShapeError, args: tuple, kwargs: dict) -> AmpModule:
@@ -196,16 +201,23 @@ class AmpModule(GraphModule):
                 "lets vary, or use torch.compile(model, backend=\"graphamp\")."
             ) from None
         from graphamp.convert import _convert  # convert imports emit
+        from graphamp.self_check import SELF_CHECK_META, applies, check_against_eager
 
-        try:
-            with _training_as(model, self.graphamp_info.training), torch.inference_mode(False), torch.enable_grad():
-                variant = _convert(model, args, kwargs, self.graphamp_info.spec())
-        except Exception as failure:
-            raise InputShapeError(
-                f"{refused} Converting {type(model).__name__} again for these shapes {shapes} failed: "
-                f"{type(failure).__name__}: {str(failure).strip().splitlines()[0][:300]} Way out: check "
-                "that the model runs eagerly on inputs of this shape."
-            ) from failure
+        spec, checked = self.graphamp_info.spec(), self.meta.get(SELF_CHECK_META)
+        with _training_as(model, self.graphamp_info.training), torch.inference_mode(False), torch.enable_grad():
+            try:
+                variant = _convert(model, args, kwargs, spec)
+            except Exception as failure:
+                raise InputShapeError(
+                    f"{refused} Converting {type(model).__name__} again for these shapes {shapes} failed: "
+                    f"{type(failure).__name__}: {str(failure).strip().splitlines()[0][:300]} Way out: check "
+                    "that the model runs eagerly on inputs of this shape."
+                ) from failure
+            if checked is not None and applies(spec, model, args, kwargs):
+                # As convert checked the example's conversion, on these inputs: raise (or warn, as
+                # convert did) where this one differs from eager autocast.
+                on_drift = "raise" if checked.ok else "warn"
+                variant.meta[SELF_CHECK_META] = check_against_eager(variant, model, args, kwargs, spec, on_drift=on_drift)
         variants.append(variant)
         _log.log(
             logging.WARNING if len(variants) == 1 else logging.INFO,

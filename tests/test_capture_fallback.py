@@ -65,6 +65,7 @@ def test_other_shapes_convert_again_once_each_and_share_the_parameters(caplog):
     assert "shape class 1 of at most 8" in caplog.records[0].getMessage()
     for variant in _variants(amp):
         assert variant.get_parameter("qkv.weight") is model.qkv.weight
+        assert variant.meta["graphamp.self_check"].ok  # checked against eager on the call's inputs, as convert checks
     assert list(amp.state_dict()) == list(model.state_dict())  # the variants are not submodules
 
 
