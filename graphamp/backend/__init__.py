@@ -9,7 +9,13 @@ For each graph dynamo captures (one per graph break), the backend:
    custom ``autograd.Function`` (dynamo's ``autograd_function_apply``: a forward and a backward
    graph) whole, as one call of :func:`graphamp.runtime.apply_graph_function`, so that AOTAutograd
    records its forward under eager's autocast state and its own backward;
-3. runs graphamp's passes (:mod:`graphamp.passes`), as :func:`graphamp.convert` does;
+3. runs graphamp's passes (:mod:`graphamp.passes`), as :func:`graphamp.convert` does, after
+   observing what eager does where dynamo's graph holds another program (attention over repeated
+   key/value heads: :mod:`graphamp.backend.observe` runs the compiled frame once eagerly), and
+   shares each parameter's cast between its uses, as autocast's cache does
+   (:mod:`graphamp.backend.weight_casts`). Outside ``torch.autocast``, dynamo traced the model's
+   Python in fp32: where that Python passes other dtypes under autocast the backend warns, and a
+   fill value that overflows the low dtype is an error (:mod:`graphamp.backend.fill_values`);
 4. hands the rewritten graph to AOTAutograd and the inner compiler (inductor, or eager graphs)
    with autocast off, and runs the compiled code with autocast off: graphamp's casts are the only
    ones applied, whether or not the call sits inside a ``torch.autocast`` region.
