@@ -53,8 +53,8 @@ def convert(
 
     Args:
         model: the module to convert; it is not modified.
-        args, kwargs: example inputs, as for ``torch.export.export``. Batch and sequence sizes of
-            later calls may differ.
+        args, kwargs: example inputs, as for ``torch.export.export``. Later calls may use other
+            sizes: where the graph cannot hold them, the module converts again for their shape class.
         dtype: ``torch.bfloat16`` or ``torch.float16``; None takes autocast's default for the device.
         device_type: "cpu" or "cuda"; None takes the device of the model's parameters.
         mode: "exact" reproduces eager autocast bit for bit (and warns once, with
@@ -79,7 +79,9 @@ def convert(
 
     Returns:
         An :class:`AmpModule`: a GraphModule with the casts in its code, sharing the model's
-        parameters and buffers, with the model's input and output pytree.
+        parameters and buffers, with the model's input and output pytree. Where torch.export
+        refuses the program even with static sizes (a branch on a tensor's value), a
+        :class:`graphamp.DynamoAmpModule`: the model under ``torch.compile(backend="graphamp")``.
 
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
     >>> x = torch.randn(4, 8)

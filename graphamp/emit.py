@@ -123,6 +123,13 @@ class AmpModule(GraphModule):
     an ambient ``torch.autocast`` around a call is switched off for the policy's device so the
     policy is never applied twice. Parameters and buffers are the original model's objects.
 
+    Inputs whose sizes the graph does not hold (a size the capture made static, a range or a
+    condition such as ``batch != 1`` the model's code imposes) get a conversion of their own on
+    first use, kept per shape class (at most ``MAX_SHAPE_CLASSES``, each logged on the "graphamp"
+    logger); it shares the parameters. For that the module keeps a reference to its model, which
+    ``torch.save`` writes along when it pickles. Another dtype, rank or input structure stays an
+    :class:`~graphamp.InputMismatchError`.
+
     >>> import torch, graphamp
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())

@@ -15,8 +15,9 @@ tensors and under the live autocast state (which gives the node eager's output d
 node becomes a call of :func:`graphamp.runtime.apply_function`, which applies the Function at run
 time under that same autocast state, as eager does.
 
-The package: ``export`` (torch.export with dynamic shapes), ``torchscript`` (models holding
-ScriptModules), ``functions`` (kept custom autograd Functions).
+The package: ``export`` (torch.export with dynamic shapes, else static), ``torchscript`` (models
+holding ScriptModules), ``functions`` (kept custom autograd Functions), ``dynamo`` (convert's fallback
+to ``torch.compile(backend="graphamp")`` where torch.export refuses the program itself).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def capture(
     ``grads=False`` declares that no gradient will be taken through the result (inference, export).
 
     Parameters and buffers are attributes of the returned module (the model's own objects),
-    inputs and outputs keep their pytree structure, and batch/sequence dims are symbolic.
+    inputs and outputs keep their pytree structure, and every dim is symbolic where the model's
+    code allows it; where it cannot take symbolic sizes at all, every dim is the example's
+    (``gm.meta[CAPTURED_STATIC]``), and the converted module converts again per shape class.
     A model holding a ``torch.jit.ScriptModule`` is first traced to a plain graph (``script_graph``).
     """
     if any(isinstance(m, torch.jit.ScriptModule) for m in model.modules()):
