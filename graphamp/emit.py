@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import dataclasses
 import io
 import logging
 import pickle
@@ -28,6 +29,7 @@ from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
 from graphamp.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
+from graphamp.self_check import SELF_CHECK_META
 from graphamp.runtime import _MODEL, _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module
 
 __all__ = ["AmpModule", "AmpInfo", "emit", "input_signature", "describe_signature"]
@@ -208,7 +210,7 @@ class AmpModule(GraphModule):
                 "lets vary, or use torch.compile(model, backend=\"graphamp\")."
             ) from None
         from graphamp.convert import _convert  # convert imports emit
-        from graphamp.self_check import SELF_CHECK_META, applies, check_against_eager
+        from graphamp.self_check import applies, check_against_eager
 
         spec, checked = self.graphamp_info.spec(), self.meta.get(SELF_CHECK_META)
         with _training_as(model, self.graphamp_info.training), torch.inference_mode(False), torch.enable_grad():
@@ -222,8 +224,10 @@ class AmpModule(GraphModule):
                 ) from failure
             if checked is not None and applies(spec, model, args, kwargs):
                 # As convert checked the example's conversion, on these inputs: raise (or warn, as
-                # convert did) where this one differs from eager autocast.
-                on_drift = "raise" if checked.ok else "warn"
+                # convert did) where this one differs from eager autocast. A loaded module's record
+                # is a plain dict.
+                ok = checked["ok"] if isinstance(checked, dict) else checked.ok
+                on_drift = "raise" if ok else "warn"
                 variant.meta[SELF_CHECK_META] = check_against_eager(variant, model, args, kwargs, spec, on_drift=on_drift)
         variants.append(variant)
         _log.log(
@@ -312,6 +316,10 @@ class AmpModule(GraphModule):
         # Loading re-traces the code, which keeps no node meta: graphamp's record of each node
         # travels beside it, so a loaded module's cast_summary() still reports its casts.
         body[_NODE_META] = _node_meta_record(self.graph, _saved_info)
+        # convert's self-check record is a compile-time class: files hold its fields, a plain dict.
+        check = body.get("meta", {}).get(SELF_CHECK_META)
+        if dataclasses.is_dataclass(check):
+            body["meta"] = {**body["meta"], SELF_CHECK_META: dataclasses.asdict(check)}
         return (rebuild_amp_module, (body, import_block))
 
     def cast_summary(self) -> dict[str, Any]:
