@@ -179,6 +179,10 @@ def _reports(ws: list[str]) -> bool:
     return any(not w.startswith("EmulatedPrecisionWarning") for w in ws)
 
 
+class EagerFailed(Exception):
+    """Eager autocast itself cannot run this check (fp16 kernels, a backward): skipped, not graphamp's."""
+
+
 class Subject:
     """A built model, its pristine state, and eager autocast references computed once each."""
 
@@ -225,7 +229,11 @@ class Subject:
                 with torch.autocast("cpu", dtype=dtype):
                     return self.model(*a, **k)
 
-            self._eager[key] = self.run(call, batch, grads=grads)
+            try:
+                self._eager[key] = self.run(call, batch, grads=grads)
+            except Exception as e:
+                what = f"{str(dtype).removeprefix('torch.')}, batch {batch}{', backward' if grads else ''}"
+                raise EagerFailed(f"eager autocast cannot run ({what}): {type(e).__name__}: {_first_line(e)[:200]}") from e
         return self._eager[key]
 
     def convert(self, dtype: Any, *, train: bool) -> Any:
@@ -242,6 +250,8 @@ def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         warnings.simplefilter("always")
         try:
             result = fn()
+        except EagerFailed as e:
+            result = {"status": "skipped", "reason": str(e)}
         except Exception as e:
             result = _error(e)
     ws = _graphamp_warnings(caught)
@@ -283,10 +293,7 @@ def check_batch(s: Subject, dtype: Any) -> dict[str, Any]:
     if amp is None:
         return {"status": "skipped", "reason": "no module converted at batch 2"}
     for batch in (1, 3):
-        try:
-            ref, _ = s.eager(dtype, batch)
-        except Exception as e:
-            return {"status": "skipped", "reason": f"eager cannot run batch {batch}: {type(e).__name__}: {_first_line(e)[:150]}"}
+        ref, _ = s.eager(dtype, batch)
         out, _ = s.run(amp, batch, grads=False)
         problem = compare_outputs(out, ref)
         if problem:
@@ -358,6 +365,7 @@ def run_model(name: str, checks: tuple[str, ...], path: Path | None = None, *, r
 
     census_models.enable_census_site()
     record = record or Record(name, path)
+    record.data["requested"] = list(checks)
     record.save()
     s = build_subject(name, record)
     if s is not None:
@@ -500,6 +508,7 @@ def run_in_process(plan: dict[str, tuple[str, ...]], out: Path, timeout: float) 
             try:
                 data = run_model(name, checks, record=record)
             except ModelTimeout:
+                record.save()
                 data = record.data
                 data["status"], data["timeout_in"] = "timeout", data.pop("current", None)
             finally:
@@ -526,6 +535,8 @@ def run_census(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _, done = read_results(out) if args.resume else (None, {})
+    if args.retry_unfinished:
+        done = {n: r for n, r in done.items() if r.get("status") == "done"}
     if not args.resume and out.exists():
         sys.exit(f"{out} exists: pass --resume to continue it, or --out another file")
     names = [n for n in select(census_models.population(), args.only, args.shard, args.sample, args.seed) if n not in done]
@@ -571,7 +582,9 @@ def kind(result: dict[str, Any] | None) -> str:
 def normalize(message: str) -> str:
     """A cause key: numbers, quoted names and shapes replaced, so one cause groups many models."""
     m = re.sub(r"0x[0-9a-f]+", "ADDR", message)
-    m = re.sub(r"'[^']*'|\"[^\"]*\"|`[^`]*`", "'…'", m)
+    m = re.sub(r"\b[A-Z][a-z0-9]+(?:[A-Z][A-Za-z0-9]*)+\b", "Cls", m)  # the model's own class names
+    m = re.sub(r"\b\w+(?:\.\w+){2,}\b", "name", m)  # parameter and module paths
+    m = re.sub(r"(?<!\w)'[^']*'|\"[^\"]*\"|`[^`]*`", "'…'", m)
     m = re.sub(r"\[[^\]]*\]|\([^)]*\)", "[…]", m)
     m = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", m)
     return m[:140]
@@ -597,7 +610,7 @@ def summarize(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
         counts: Counter = Counter()
         for n, r in sorted(runs.items()):
             res = r.get("checks", {}).get(check)
-            if res is None and r.get("status") == "done":
+            if check not in r.get("requested", CHECKS) or (res is None and r.get("status") == "done"):
                 continue  # not asked for in that run
             k = kind(res)
             counts[k] += 1
@@ -657,6 +670,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON-lines results file (default %(default)s)")
     p.add_argument("--resume", action="store_true", help="skip models already in --out and append")
+    p.add_argument("--retry-unfinished", action="store_true", help="with --resume, run again the models that timed out or crashed")
     p.add_argument("--only", help="regex over model names (hf/bert, timm/resnet18, diffusers/dit)")
     p.add_argument("--shard", help="i/n: every n-th model from the i-th")
     p.add_argument("--sample", type=float, help="keep this fraction of the transformers models (seeded), all timm/diffusers")
@@ -681,6 +695,11 @@ def main(argv: list[str] | None = None) -> None:
     elif args.summary:
         print_summary(Path(args.summary), markdown=args.markdown)
     elif args.in_process:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        warnings.filterwarnings("ignore")  # each check records graphamp's own warnings
         names = select(list(_plan(args)), args.only, args.shard, None, args.seed)
         run_in_process({n: _plan(args)[n] for n in names}, Path(args.out), args.timeout)
     elif args.list:

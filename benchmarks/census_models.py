@@ -118,7 +118,8 @@ _HEAD_DIM = re.compile(r"^(head_dim|attention_head_dim|kv_channels|qk_rope_head_
 _FFN = re.compile(r"(intermediate_size|ffn_dim|^d_ff$|^n_inner$|^mlp_dim$|ffn_hidden_size|^d_inner$|^decoder_ffn_dim$)")
 _EXPERTS = re.compile(r"^(num_experts|n_routed_experts|num_local_experts|moe_num_experts)$")
 _TOPK = re.compile(r"^(num_experts_per_tok|moe_topk|top_k|num_experts_per_token)$")
-_DROPOUT = re.compile(r"(dropout|drop_prob|_pdrop$|^pdrop|drop_path|layerdrop|drop_rate|attention_probs_dropout)")
+# Train-mode randomness off: dropout, stochastic depth, and SpecAugment's masking (wav2vec2 family).
+_DROPOUT = re.compile(r"(dropout|drop_prob|_pdrop$|^pdrop|drop_path|layerdrop|drop_rate|attention_probs_dropout|^mask_time_prob$|^mask_feature_prob$)")
 _TOKEN_ID = re.compile(r"(_token_id|_token_index|_id)$")
 
 

@@ -28,7 +28,7 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "hf/idefics3_vision": CHEAP,
     "hf/smolvlm_vision": CHEAP,
     "hf/qwen3": ("convert_bf16", "backend"),
-    "hf/deberta_v2": ("convert_bf16", "backend"),
+    "hf/deberta-v2": ("convert_bf16", "backend"),
 }
 
 # Models graphamp converts today, across families; a few run every check.
@@ -37,38 +37,41 @@ CONVERTING: dict[str, tuple[str, ...]] = {
     "hf/llama": ALL,
     "hf/gpt2": CHEAP,
     "hf/t5": CHEAP,
+    "hf/bart": CHEAP,
     "hf/vit": ("convert_bf16", "grads_bf16", "batch"),
     "hf/resnet": CHEAP,
-    "hf/distilbert": CHEAP,
-    "hf/roberta": CHEAP,
-    "hf/albert": CHEAP,
-    "hf/electra": CHEAP,
-    "hf/bart": CHEAP,
     "hf/mistral": ("convert_bf16", "convert_fp16", "grads_bf16"),
-    "hf/qwen2": CHEAP,
     "hf/gemma": CHEAP,
-    "hf/phi": CHEAP,
-    "hf/gpt_neox": CHEAP,
-    "hf/opt": CHEAP,
-    "hf/bloom": CHEAP,
-    "hf/falcon": CHEAP,
-    "hf/mobilebert": CHEAP,
-    "hf/deit": CHEAP,
-    "hf/convnext": CHEAP,
-    "hf/beit": CHEAP,
     "hf/wav2vec2": CHEAP,
     "hf/whisper": CHEAP,
-    "hf/mobilevit": CHEAP,
     "timm/resnet18": ALL,
     "timm/vit_tiny_patch16_224": CHEAP,
     "timm/convnext_atto": CHEAP,
-    "timm/mobilenetv3_small_050": CHEAP,
     "diffusers/unet2d_condition": CHEAP,
-    "diffusers/autoencoder_kl": CHEAP,
     "diffusers/dit": ("convert_bf16", "grads_bf16", "backend"),
 }
 
 SAMPLE: dict[str, tuple[str, ...]] = {**CAUSES, **CONVERTING}
 
-# (model, check) -> the cause, for the checks that fail today and are being fixed.
-XFAIL: dict[tuple[str, str], str] = {}
+_EMBED_GRADS = "BERT-derived gradient cause: embedding gradients differ from graphamp's rewrite (census 2026-11-24)"
+_DATA_DEPENDENT = "torch.export refuses a data-dependent branch (census 2026-11-24)"
+# Failures first seen 2026-11-26, outside the 2026-11-24 list; reported to the lead with the census.
+_NEW = "NEW 2026-11-26, not in the 2026-11-24 cause list: "
+
+# (model, check) -> the cause, for the checks that fail today and are being fixed. Measured on this
+# sample 2026-11-26 (graphamp 7a9a66f plus the uncommitted self-check, which makes convert raise
+# PolicyDriftError on a gradient difference, so convert_bf16 fails with grads_bf16).
+XFAIL: dict[tuple[str, str], str] = {
+    **{(m, c): _EMBED_GRADS for m in ("hf/convbert", "hf/roformer", "hf/big_bird") for c in CHEAP},
+    **{(m, c): _DATA_DEPENDENT for m in ("hf/longformer", "hf/vilt") for c in CHEAP},
+    **{("hf/paligemma", c): "PaliGemma: torch.export traces another program than eager, even in fp32 (census 2026-11-24)" for c in CHEAP},
+    **{("hf/qwen3_next", c): "Qwen3-Next linear attention: the dispatcher-placed graph differs too (census 2026-11-24)" for c in CHEAP},
+    **{("hf/bridgetower", c): "BridgeTower: captured ops at another level than autocast sees; attentions come back fp32 (census 2026-11-24)" for c in CHEAP},
+    ("hf/t5gemma", "convert_bf16"): "T5Gemma: a Hugging Face cache object in the outputs (census 2026-11-24)",
+    ("hf/qwen3", "backend"): "backend difference with inner='eager' on Qwen3 (census 2026-11-24)",
+    ("hf/deberta-v2", "backend"): "DeBERTa-v2 raises an overflow error under the backend (census 2026-11-24)",
+    ("diffusers/dit", "backend"): "backend difference with inner='eager' on DiT (census 2026-11-24)",
+    **{("hf/t5", c): _NEW + "T5's relative_attention_bias gradient differs (0.0177), like the embedding-gradient cause" for c in CHEAP},
+    ("hf/detr", "grads_bf16"): _NEW + "DETR converts through the dynamo fallback capture (DynamoAmpModule); backbone conv1 gradient differs (0.125)",
+    **{("diffusers/dit", c): _NEW + "the converted DiT fails: NameError: name 'torch' is not defined (generated code)" for c in CHEAP},
+}

@@ -1,0 +1,112 @@
+"""The census in CI: a fixed sample of real models (benchmarks/census_sample.py), each check against
+eager torch.autocast on this machine, bitwise.
+
+The models run in two subprocesses (benchmarks/census.py --in-process), so timm, diffusers and the
+torchvision workaround never reach this test process; only the models of the selected tests run.
+Known failures, each with the cause being fixed, are xfail(strict=False); a new one fails.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import census_sample  # noqa: E402  (plain data: no torch, no optional packages)
+
+PARTS = 2
+# A model that has not finished by then is skipped as unfinished, never failed for being slow.
+MODEL_SECONDS = 300
+
+
+def _params() -> list[Any]:
+    params = []
+    for model, checks in census_sample.SAMPLE.items():
+        for check in checks:
+            reason = census_sample.XFAIL.get((model, check))
+            marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
+            params.append(pytest.param(model, check, id=f"{model}-{check}", marks=marks))
+    return params
+
+
+def _selected_models(request: pytest.FixtureRequest) -> list[str]:
+    here = Path(__file__).resolve()
+    models = {
+        item.callspec.params["model"]
+        for item in request.session.items
+        if Path(str(item.fspath)).resolve() == here and hasattr(item, "callspec")
+    }
+    return sorted(models)
+
+
+@pytest.fixture(scope="module")
+def census_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    models = _selected_models(request)
+    out_dir = tmp_path_factory.mktemp("census")
+    only = "^(" + "|".join(models) + ")$"
+    procs = []
+    for i in range(PARTS):
+        out = out_dir / f"part{i}.jsonl"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "census.py"), "--in-process", "--ci-sample", "--only", only,
+               "--shard", f"{i}/{PARTS}", "--out", str(out), "--timeout", str(MODEL_SECONDS), "--threads", "1"]
+        log = open(out_dir / f"part{i}.log", "wb")
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), out, log))
+    records: dict[str, Any] = {}
+    exits = {}
+    for proc, out, log in procs:
+        try:
+            exits[out.name] = proc.wait(timeout=MODEL_SECONDS * (len(models) + 1))
+        except subprocess.TimeoutExpired:  # a hang below Python, where the per-model alarm cannot reach
+            proc.kill()
+            exits[out.name] = f"killed after {MODEL_SECONDS * (len(models) + 1)} s"
+        log.close()
+        if out.exists():
+            for line in out.read_text().splitlines():
+                row = json.loads(line)
+                records[row["model"]] = row
+    records["__exits__"] = exits
+    records["__logs__"] = {p.name: p.read_text(errors="replace")[-600:] for p in out_dir.glob("*.log")}
+    return records
+
+
+def _describe(result: dict[str, Any]) -> str:
+    if result["status"] == "error":
+        return f"{result['type']}: {result['message']} (at {result.get('where')}){' [reported by graphamp]' if result.get('reported') else ''}"
+    parts = [f"first difference at {result.get('first')}", f"max |diff| {result.get('max_abs_diff')}"]
+    if result.get("dtype_mismatch"):
+        parts.append(f"dtypes: {result['dtype_mismatch']}")
+    if result.get("batch"):
+        parts.append(f"at batch {result['batch']}")
+    if result.get("warnings"):
+        parts.append(f"graphamp warned: {result['warnings']}")
+    return "; ".join(parts)
+
+
+@pytest.mark.parametrize(("model", "check"), _params())
+def test_census_sample(census_results: dict[str, Any], model: str, check: str) -> None:
+    record = census_results.get(model)
+    if record is None:
+        pytest.fail(f"{model}: no record; the sample process exited {census_results['__exits__']}: {census_results['__logs__']}")
+    eager = record.get("eager", {})
+    if eager.get("status") != "ok":
+        message = eager.get("message", "")
+        if "is not installed" in message:
+            pytest.skip(f"{model}: {message}")
+        if record.get("status") == "timeout":
+            pytest.skip(f"{model}: unfinished after {MODEL_SECONDS} s on this machine (building it)")
+        pytest.fail(f"{model}: the census can no longer build it or run it eagerly: {message}")
+    result = record["checks"].get(check)
+    if result is None:
+        if record.get("status") == "timeout":
+            pytest.skip(f"{model}: unfinished after {MODEL_SECONDS} s on this machine (in {record.get('timeout_in')})")
+        pytest.fail(f"{model}: {check} has no result (record status {record.get('status')})")
+    if result["status"] == "skipped":
+        pytest.skip(f"{model} {check}: {result.get('reason')}")
+    assert result["status"] == "bitwise", f"{model} {check}: {_describe(result)}"
