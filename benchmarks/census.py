@@ -48,7 +48,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import census_models  # noqa: E402
+import census_models
 
 CHECKS = ("convert_bf16", "convert_fp16", "grads_bf16", "batch", "backend")
 DEFAULT_OUT = HERE / "results" / "census.jsonl"
@@ -252,7 +252,7 @@ def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
             result = fn()
         except EagerFailed as e:
             result = {"status": "skipped", "reason": str(e)}
-        except Exception as e:
+        except Exception as e:  # the guard: one failing check never stops the others
             result = _error(e)
     ws = _graphamp_warnings(caught)
     if ws:
@@ -328,7 +328,7 @@ def build_subject(name: str, record: Record) -> Subject | None:
                 s.eager(torch.bfloat16)
         except census_models.NotApplicable:
             continue
-        except Exception as e:
+        except Exception as e:  # construction or the eager run: "eager cannot run", graphamp untried
             failures.append(f"{type(e).__name__}: {_first_line(e)[:200]}")
             continue
         record.data.update({"class": built.cls, "note": built.note, "params": sum(p.numel() for p in s.model.parameters())})
@@ -376,7 +376,7 @@ def run_model(name: str, checks: tuple[str, ...], path: Path | None = None, *, r
         for check in order:
             record.data["current"] = check
             record.save()
-            result = _guarded(lambda: CHECK_FUNCS[check](s, None))
+            result = _guarded(lambda check=check: CHECK_FUNCS[check](s, None))
             if check in checks:
                 record.data["checks"][check] = result
         torch._dynamo.reset()
@@ -423,14 +423,14 @@ def header() -> dict[str, Any]:
 
 def _git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip() or None
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10, check=False).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
 
 def _git_dirty() -> list[str]:
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "--", "graphamp"], cwd=HERE.parent, capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(["git", "status", "--porcelain", "--", "graphamp"], cwd=HERE.parent, capture_output=True, text=True, timeout=10, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [line[3:] for line in out.splitlines()]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Built", "BuildError", "NotApplicable", "build", "census_site", "enable_census_site", "population", "TIMM_MODELS", "DIFFUSERS_MODELS"]
+__all__ = ["DIFFUSERS_MODELS", "TIMM_MODELS", "BuildError", "Built", "NotApplicable", "build", "census_site", "enable_census_site", "population"]
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 2
@@ -475,7 +475,7 @@ def _sd3() -> tuple[nn.Module, MakeInputs]:
 
 
 def _transformer2d() -> tuple[nn.Module, MakeInputs]:
-    d = _diffusers()
+    _diffusers()
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
     model = Transformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=32, num_layers=1, cross_attention_dim=24, norm_num_groups=8)

@@ -8,6 +8,7 @@ Known failures, each with the cause being fixed, are xfail(strict=False); a new 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import census_sample  # noqa: E402  (plain data: no torch, no optional packages)
+import census_sample  # plain data: no torch, no optional packages
 
 PARTS = 2
 # A model that has not finished by then is skipped as unfinished, never failed for being slow.
@@ -52,25 +53,26 @@ def census_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     out_dir = tmp_path_factory.mktemp("census")
     only = "^(" + "|".join(models) + ")$"
     procs = []
+    logs = contextlib.ExitStack()
     for i in range(PARTS):
         out = out_dir / f"part{i}.jsonl"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "census.py"), "--in-process", "--ci-sample", "--only", only,
                "--shard", f"{i}/{PARTS}", "--out", str(out), "--timeout", str(MODEL_SECONDS), "--threads", "1"]
-        log = open(out_dir / f"part{i}.log", "wb")
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), out, log))
+        log = logs.enter_context(open(out_dir / f"part{i}.log", "wb"))
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), out))
     records: dict[str, Any] = {}
     exits = {}
-    for proc, out, log in procs:
+    for proc, out in procs:
         try:
             exits[out.name] = proc.wait(timeout=MODEL_SECONDS * (len(models) + 1))
         except subprocess.TimeoutExpired:  # a hang below Python, where the per-model alarm cannot reach
             proc.kill()
             exits[out.name] = f"killed after {MODEL_SECONDS * (len(models) + 1)} s"
-        log.close()
         if out.exists():
             for line in out.read_text().splitlines():
                 row = json.loads(line)
                 records[row["model"]] = row
+    logs.close()
     records["__exits__"] = exits
     records["__logs__"] = {p.name: p.read_text(errors="replace")[-600:] for p in out_dir.glob("*.log")}
     return records
