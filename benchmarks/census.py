@@ -187,8 +187,15 @@ class Subject:
     """A built model, its pristine state, and eager autocast references computed once each."""
 
     def __init__(self, built: census_models.Built) -> None:
+        from torch import nn
+
         self.built = built
         self.model = built.model
+        # Train mode must be deterministic for the gradient check: dropout modules the config did
+        # not reach (timm's classifier drop_rate, hard-coded nn.Dropout) get p=0 too.
+        for m in self.model.modules():
+            if isinstance(m, nn.modules.dropout._DropoutNd):
+                m.p = 0.0
         self.state = copy.deepcopy({k: v for k, v in self.model.state_dict(keep_vars=False).items()})
         self._eager: dict[tuple, Any] = {}
         # The eval-mode module per dtype, converted at batch 2: the batch check calls the bf16 one.
@@ -210,6 +217,7 @@ class Subject:
         import torch
 
         self.reset(train=grads)
+        torch.manual_seed(0)  # any randomness left in the model draws the same on both sides
         args, kwargs = self.inputs(batch)
         if grads:
             out = call(*args, **kwargs)
@@ -329,6 +337,7 @@ def build_subject(name: str, record: Record) -> Subject | None:
         except census_models.NotApplicable:
             continue
         except Exception as e:  # construction or the eager run: "eager cannot run", graphamp untried
+            e = e.__cause__ if isinstance(e, EagerFailed) and e.__cause__ else e
             failures.append(f"{type(e).__name__}: {_first_line(e)[:200]}")
             continue
         record.data.update({"class": built.cls, "note": built.note, "params": sum(p.numel() for p in s.model.parameters())})
@@ -582,7 +591,8 @@ def kind(result: dict[str, Any] | None) -> str:
 def normalize(message: str) -> str:
     """A cause key: numbers, quoted names and shapes replaced, so one cause groups many models."""
     m = re.sub(r"0x[0-9a-f]+", "ADDR", message)
-    m = re.sub(r"\b[A-Z][a-z0-9]+(?:[A-Z][A-Za-z0-9]*)+\b", "Cls", m)  # the model's own class names
+    # The model's own class names, not exception types.
+    m = re.sub(r"\b(?!\w*(?:Error|Exception|Warning)\b)[A-Z][a-z0-9]+(?:[A-Z][A-Za-z0-9]*)+\b", "Cls", m)
     m = re.sub(r"\b\w+(?:\.\w+){2,}\b", "name", m)  # parameter and module paths
     m = re.sub(r"(?<!\w)'[^']*'|\"[^\"]*\"|`[^`]*`", "'…'", m)
     m = re.sub(r"\[[^\]]*\]|\([^)]*\)", "[…]", m)

@@ -378,14 +378,23 @@ def build_timm(name: str) -> Built:
     import timm
 
     size = TIMM_MODELS.get(name, 224)
-    kwargs: dict[str, Any] = {"pretrained": False, "num_classes": 10}
-    try:
-        model = _seeded(lambda: timm.create_model(name, img_size=size, **kwargs)) if size != 224 else None
-    except TypeError:
-        model = None
+    # Train mode must be deterministic: classifier dropout (F.dropout on drop_rate, no module to
+    # reach afterwards) and stochastic depth off, where the model takes the argument.
+    base: dict[str, Any] = {"pretrained": False, "num_classes": 10}
+    choices = [{**base, "drop_rate": 0.0, "drop_path_rate": 0.0}, {**base, "drop_rate": 0.0}, base]
+    if size != 224:
+        choices = [{**c, "img_size": size} for c in choices] + choices
+    model = None
+    for kwargs in choices:
+        try:
+            model = _seeded(lambda kwargs=kwargs: timm.create_model(name, **kwargs))
+        except TypeError:
+            continue
+        if "img_size" not in kwargs and size != 224 and _fixed_size(model):
+            size = 224
+        break
     if model is None:
-        model = _seeded(lambda: timm.create_model(name, **kwargs))
-        size = 224 if size != 224 and _fixed_size(model) else size
+        raise BuildError(f"timm.create_model({name!r}) takes none of the census's arguments")
     model.eval()
     for m in model.modules():
         if hasattr(m, "drop_prob"):
