@@ -151,7 +151,11 @@ def _model_conditions(ep: torch.export.ExportedProgram) -> list[tuple[str, tuple
     """
     from torch.utils._sympy.printers import PythonPrinter
 
-    example = getattr(_shape_env(ep), "var_to_val", {})
+    env = _shape_env(ep)
+    # torch 2.13 renamed var_to_val (now a deprecated alias that warns) to backed_var_to_val.
+    example = getattr(env, "backed_var_to_val", None) if env is not None else None
+    if example is None:
+        example = getattr(env, "var_to_val", {})
     conditions = []
     for expr, line in _model_guards(ep):
         if len(expr.free_symbols) == 1 and _is_range(expr):
