@@ -109,7 +109,7 @@ class WeightCache(nn.Module):
         # This runs once per weight per call, so it stays lean: one dict lookup, two reads.
         key = (id(param), dtype)
         entry = self._entries.get(key)
-        if entry is not None and entry[0] == param._version and entry[1] == param.data_ptr():
+        if entry is not None and entry[0] == param._version and entry[1] == param.data_ptr() and entry[2].requires_grad == param.requires_grad:
             return entry[2]
         if isinstance(param, FakeTensor):  # no data to reuse (fake CUDA checks): cast as eager does
             return torch.ops.aten._to_copy.default(param, dtype=dtype)
@@ -117,6 +117,11 @@ class WeightCache(nn.Module):
         # A normal tensor even under inference_mode, so a later grad-mode call may save it.
         with torch.inference_mode(False), torch.no_grad():
             low = param.detach().to(dtype)
+        # Eager autocast's cached cast of a weight that requires grad still requires grad under
+        # no_grad, and kernels read that flag: matmul folds a non-contiguous 3-D input into one mm
+        # (a copy, then mm) when the other operand requires grad, else it runs bmm, which rounds
+        # fp16 differently. The copy is a leaf and only used without grad, so the flag is inert.
+        low.requires_grad_(param.requires_grad)
         with self._lock:
             self._entries[key] = (*stamp, low)
         return low
@@ -152,7 +157,7 @@ def cached_cast(cache: WeightCache, param: torch.Tensor, dtype: torch.dtype) -> 
         return torch.ops.aten._to_copy.default(param, dtype=dtype)
     # WeightCache.get's hit path, inlined: this runs once per weight per call.
     entry = cache._entries.get((id(param), dtype))
-    if entry is not None and entry[0] == param._version and entry[1] == param.data_ptr():
+    if entry is not None and entry[0] == param._version and entry[1] == param.data_ptr() and entry[2].requires_grad == param.requires_grad:
         return entry[2]
     return cache.get(param, dtype)
 

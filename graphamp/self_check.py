@@ -5,7 +5,8 @@ during capture; still, a capture can hold another program than eager runs (a mod
 on ``torch.compiler.is_exporting()``, an op decomposed above the autocast key), and gradients can
 round differently where values agree. So exact-mode ``convert`` runs the example once more on both
 sides, from the same random state with buffers restored, and compares every output's value and
-dtype and, where the conversion keeps a gradient path, every parameter's gradient of a fixed loss.
+dtype and, where the conversion keeps a gradient path, every parameter's gradient of a fixed loss
+(and the forward once more under ``no_grad``, where kernels may choose by ``requires_grad``).
 A difference raises :class:`~graphamp.errors.PolicyDriftError` (or warns, on request) naming
 what differs and the first divergent node that :func:`graphamp.verify` finds; it is never silent.
 """
@@ -91,6 +92,13 @@ def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: d
             "Way out meanwhile: torch.compile(model, backend=\"graphamp\"), or eager torch.autocast."
         ) from e
     problem = _difference(got, ref, keep_io_types=spec.keep_io_types)
+    if not problem and not spec.inference:
+        # Inference usually runs under no_grad, where kernels may choose by requires_grad
+        # (matmul's fold): the forward is compared there too.
+        ref = _run(lambda: _autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True)
+        got = _run(lambda: amp(*amp_args, **amp_kwargs), model, grads=False, no_grad=True)
+        problem = _difference(got, ref, keep_io_types=spec.keep_io_types)
+        problem = f"under torch.no_grad, {problem}" if problem else ""
     if not problem:
         return SelfCheck(ok=True, grads=grads, seconds=time.perf_counter() - start)
     where, other_path = _first_divergence(amp, model, args, kwargs, spec, grads=grads and problem.startswith("gradient"))

@@ -167,3 +167,28 @@ def test_trainstep_checks_its_first_call(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(graphamp.PolicyDriftError, match=r"(?s)gradient of model\.proj\.weight differs.*module model\.norm"):
         step(_x(), target=torch.zeros(4, 8))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
+
+
+def test_a_difference_only_under_no_grad_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = sys.modules["graphamp.runtime"]
+    real = runtime.WeightCache.get
+
+    def flag_lost(self, param, dtype):  # the cached weight loses eager's requires_grad flag
+        return real(self, param, dtype).detach()
+
+    monkeypatch.setattr(runtime.WeightCache, "get", flag_lost)
+    monkeypatch.setattr(runtime, "cached_cast", lambda cache, param, dtype: (
+        torch.ops.aten._to_copy.default(param, dtype=dtype) if param.requires_grad and torch.is_grad_enabled() else cache.get(param, dtype)
+    ))
+
+    class TransposedProjection(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.proj = nn.GroupNorm(4, 64), nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(self.norm(x.flatten(2)).transpose(1, 2))
+
+    x = torch.randn(2, 64, 16, 16, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(graphamp.PolicyDriftError, match=r"under torch.no_grad, output differs"):
+        graphamp.convert(TransposedProjection().eval(), (x,), dtype=torch.float16)

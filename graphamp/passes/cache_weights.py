@@ -79,6 +79,9 @@ def freeze_weights(gm: GraphModule, spec: AmpSpec) -> PassResult:
         param = attr_of(gm, src.target)
         with torch.no_grad():
             low = param.detach().to(cast.kwargs["dtype"])
+        # As eager autocast's cached cast under no_grad: it requires grad where the weight does,
+        # and matmul picks its kernel by that flag (see runtime.WeightCache.get).
+        low.requires_grad_(param.requires_grad)
         *path, name = src.target.split(".")
         owner = gm.get_submodule(".".join(path)) if path else gm
         delattr(owner, name)
