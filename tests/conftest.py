@@ -1,7 +1,13 @@
 import logging
+import os
 
 import pytest
 import torch
+
+# Under pytest-xdist each worker is one of two processes on a 2-core machine: one intra-op thread
+# each keeps them from oversubscribing the cores (results are the same at any thread count).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 from graphamp.testing import zoo
 
