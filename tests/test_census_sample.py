@@ -3,7 +3,8 @@ eager torch.autocast on this machine, bitwise.
 
 The models run in two subprocesses (benchmarks/census.py --in-process), so timm, diffusers and the
 torchvision workaround never reach this test process; only the models of the selected tests run.
-Known failures, each with the cause being fixed, are xfail(strict=False); a new one fails.
+A check must be bitwise; for a known cause (census_sample.KNOWN) it may instead be reported by
+graphamp (a typed error such as PolicyDriftError, or a graphamp warning), never silently different.
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ def _params() -> list[Any]:
     params = []
     for model, checks in census_sample.SAMPLE.items():
         for check in checks:
-            reason = census_sample.XFAIL.get((model, check))
-            marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
-            params.append(pytest.param(model, check, id=f"{model}-{check}", marks=marks))
+            params.append(pytest.param(model, check, id=f"{model}-{check}"))
     return params
 
 
@@ -111,4 +110,9 @@ def test_census_sample(census_results: dict[str, Any], model: str, check: str) -
         pytest.fail(f"{model}: {check} has no result (record status {record.get('status')})")
     if result["status"] == "skipped":
         pytest.skip(f"{model} {check}: {result.get('reason')}")
+    known = census_sample.KNOWN.get((model, check))
+    if known is not None and result["status"] != "bitwise":
+        # A known cause no trace can follow (or not yet fixed): graphamp must say so, never differ silently.
+        assert result.get("reported"), f"{model} {check} ({known}) differs SILENTLY: {_describe(result)}"
+        return
     assert result["status"] == "bitwise", f"{model} {check}: {_describe(result)}"
