@@ -195,14 +195,21 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"max abs difference {float((a.double() - b.double()).abs().nan_to_num(float('inf')).max()):.3g}"
 
 
+def _named_leaves(tree: Any) -> list[tuple[str, Any]]:
+    """The leaves with their pytree paths; by position where a registered type has no key paths
+    (diffusers' output classes register no ``flatten_with_keys_fn``)."""
+    try:
+        return [("output" + pytree.keystr(path), leaf) for path, leaf in pytree.tree_leaves_with_path(tree)]
+    except ValueError:
+        return [(f"output leaf {i}", leaf) for i, leaf in enumerate(pytree.tree_leaves(tree))]
+
+
 def _difference(got: _Side, ref: _Side, *, keep_io_types: bool) -> str:
     """The first difference between the two sides, in words; empty if none."""
-    got_leaves = pytree.tree_leaves_with_path(got.outputs)
-    ref_leaves = pytree.tree_leaves_with_path(ref.outputs)
+    got_leaves, ref_leaves = _named_leaves(got.outputs), _named_leaves(ref.outputs)
     if len(got_leaves) != len(ref_leaves):
         return f"the output has {len(got_leaves)} leaves, eager's has {len(ref_leaves)}"
-    for (path, a), (_, b) in zip(got_leaves, ref_leaves):
-        name = "output" + pytree.keystr(path)
+    for (name, a), (_, b) in zip(got_leaves, ref_leaves):
         if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
             return f"{name} is a {type(a).__name__}, eager's is a {type(b).__name__}"
         if not isinstance(a, torch.Tensor):

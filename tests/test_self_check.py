@@ -192,3 +192,28 @@ def test_a_difference_only_under_no_grad_raises(monkeypatch: pytest.MonkeyPatch)
     x = torch.randn(2, 64, 16, 16, generator=torch.Generator().manual_seed(0))
     with pytest.raises(graphamp.PolicyDriftError, match=r"under torch.no_grad, output differs"):
         graphamp.convert(TransposedProjection().eval(), (x,), dtype=torch.float16)
+
+
+def test_outputs_of_a_type_without_key_paths_are_compared() -> None:
+    # diffusers registers its output classes with pytree but without flatten_with_keys_fn.
+    class Out:
+        def __init__(self, sample: torch.Tensor) -> None:
+            self.sample = sample
+
+    torch.utils._pytree.register_pytree_node(Out, lambda o: ([o.sample], None), lambda leaves, _: Out(leaves[0]))
+    try:
+
+        class Model(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.proj = nn.Linear(8, 8)
+
+            def forward(self, x: torch.Tensor) -> Out:
+                return Out(self.proj(x))
+
+        with pytest.raises(ValueError, match="flatten_with_keys_fn"):
+            torch.utils._pytree.tree_leaves_with_path(Out(_x()))
+        amp = graphamp.convert(Model(), (_x(),))
+        assert amp.meta[SELF_CHECK_META].ok and isinstance(amp(_x()), Out)
+    finally:
+        torch.utils._pytree._deregister_pytree_node(Out)
