@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from graphamp.errors import PolicyDriftError, PolicyDriftWarning
+from graphamp.probe import _state_restored
 from graphamp.spec import AmpSpec, autocast_off
 
 __all__ = ["SELF_CHECKS", "SELF_CHECK_META", "SelfCheck", "check_against_eager", "check_self_check"]
@@ -150,16 +151,9 @@ def _autocast_call(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -
 @contextlib.contextmanager
 def _same_start(model: nn.Module) -> Iterator[None]:
     """Both sides start from the same random state and buffers, and leave both as they found them."""
-    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
-    with torch.random.fork_rng(devices=[]), autocast_off():
+    with _state_restored(model), autocast_off():
         torch.manual_seed(0)  # the same dropout masks on each side
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, b in model.named_buffers():
-                    if name in saved:
-                        b.copy_(saved[name])
+        yield
 
 
 def _run(call: Callable[[], Any], model: nn.Module, *, grads: bool, no_grad: bool) -> _Side:

@@ -134,3 +134,14 @@ def matmul_function(**custom_fwd_kwargs):
             return grad.mm(b.t()), a.t().mm(grad)
 
     return MatMul
+
+
+class TransposedProjection(nn.Module):
+    """GroupNorm over channels, then a linear over the transposed (non-contiguous) map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.GroupNorm(4, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x.flatten(2)).transpose(1, 2))

@@ -13,17 +13,7 @@ import torch
 from torch import nn
 
 import graphamp
-
-
-class TransposedProjection(nn.Module):
-    """GroupNorm over channels, then a linear over the transposed (non-contiguous) map."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.proj = nn.GroupNorm(4, 64), nn.Linear(64, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x.flatten(2)).transpose(1, 2))
+from helpers import TransposedProjection
 
 
 def _x() -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 import graphamp
 from graphamp.config import Config
 from graphamp.self_check import SELF_CHECK_META
+from helpers import TransposedProjection
 
 # graphamp.convert is the function; the module is graphamp's conversion core.
 convert_module = sys.modules["graphamp.convert"]
@@ -180,14 +181,6 @@ def test_a_difference_only_under_no_grad_raises(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(runtime, "cached_cast", lambda cache, param, dtype: (
         torch.ops.aten._to_copy.default(param, dtype=dtype) if param.requires_grad and torch.is_grad_enabled() else cache.get(param, dtype)
     ))
-
-    class TransposedProjection(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm, self.proj = nn.GroupNorm(4, 64), nn.Linear(64, 64)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.proj(self.norm(x.flatten(2)).transpose(1, 2))
 
     x = torch.randn(2, 64, 16, 16, generator=torch.Generator().manual_seed(0))
     with pytest.raises(graphamp.PolicyDriftError, match=r"under torch.no_grad, output differs"):
