@@ -11,6 +11,7 @@ afterwards, so the probe leaves no trace on the model.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -44,8 +45,16 @@ class _RecordSdpa(TorchFunctionMode):
 
 @contextlib.contextmanager
 def _state_restored(model: nn.Module) -> Iterator[None]:
-    # A forward in training mode updates batch-norm statistics and draws dropout masks.
+    # A forward in training mode updates batch-norm statistics and draws dropout masks; some
+    # models also fill Python caches (timm's LeViT: attention_bias_cache[device] in eval), which
+    # a probe run at compile time must not leave behind: dynamo guarded on their contents.
     saved = {name: buf.clone() for name, buf in model.named_buffers()}
+    containers = [
+        (value, copy.copy(value))
+        for m in model.modules()
+        for key, value in vars(m).items()
+        if not key.startswith("_") and type(value) in (dict, list, set)
+    ]
     with torch.random.fork_rng(devices=[]):
         try:
             yield
@@ -54,6 +63,9 @@ def _state_restored(model: nn.Module) -> Iterator[None]:
                 for name, buf in model.named_buffers():
                     if name in saved:
                         buf.copy_(saved[name])
+            for value, before in containers:  # in place: code and guards hold these objects
+                value.clear()
+                value.update(before) if not isinstance(value, list) else value.extend(before)
 
 
 def eager_sdpa_calls(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> list[SdpaCall] | None:

@@ -304,3 +304,35 @@ def test_lstm_kernel_question_is_eagers():
     assert not lstm_uses_onednn(torch.float16, projections=False, grad_enabled=True)
     with torch.backends.mkldnn.flags(enabled=False):
         assert not lstm_uses_onednn(torch.float32, projections=False, grad_enabled=False)
+
+
+class BiasCache(nn.Module):
+    """Fills a Python dict on its first eval call, as timm's LeViT and EfficientFormer do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.bias = nn.Parameter(torch.randn(8))
+        self.attention_bias_cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return self.proj(x) + self.bias
+        key = str(x.device)
+        if key not in self.attention_bias_cache:
+            self.attention_bias_cache[key] = self.bias * 2
+        return self.proj(x) + self.attention_bias_cache[key]
+
+
+def test_a_python_cache_filled_by_the_models_code_survives_compile_time_probes() -> None:
+    # The backend runs the frame eagerly at compile time (fp32-trace and attention checks); a cache
+    # it left filled made dynamo's guards fail on the frame that created them.
+    torch._dynamo.reset()
+    model, x = BiasCache().eval(), torch.randn(4, 8)
+    compiled = torch.compile(model, backend="graphamp", options={"inner": "eager"})
+    with torch.no_grad():
+        out = compiled(x)
+    model.attention_bias_cache.clear()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+    assert out.dtype == ref.dtype and torch.equal(out, ref)
