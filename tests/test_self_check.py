@@ -170,7 +170,7 @@ def test_trainstep_checks_its_first_call(monkeypatch: pytest.MonkeyPatch) -> Non
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
 
 
-def test_a_difference_only_under_no_grad_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_difference_only_under_no_grad_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     runtime = sys.modules["graphamp.runtime"]
     real = runtime.WeightCache.get
 
@@ -183,8 +183,22 @@ def test_a_difference_only_under_no_grad_raises(monkeypatch: pytest.MonkeyPatch)
     ))
 
     x = torch.randn(2, 64, 16, 16, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(graphamp.PolicyDriftError, match=r"under torch.no_grad, output differs"):
-        graphamp.convert(TransposedProjection().eval(), (x,), dtype=torch.float16)
+    with pytest.warns(graphamp.PolicyDriftWarning, match=r"(?s)under torch.no_grad, output differs.*inference=True"):
+        amp = graphamp.convert(TransposedProjection().eval(), (x,), dtype=torch.float16)
+    assert not amp.meta[SELF_CHECK_META].ok
+
+
+def test_an_eval_encoder_under_no_grad_is_said_with_the_way_out() -> None:
+    # Eager runs an eval TransformerEncoder through its fused fp32 kernel under no_grad; an exact
+    # module holds the grad-mode program. Said (with inference=True as the way out), not refused.
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model, x = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval(), torch.randn(2, 5, 32)
+    with pytest.warns(graphamp.PolicyDriftWarning, match=r"under torch.no_grad.*inference=True"):
+        graphamp.convert(model, (x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", graphamp.PolicyDriftWarning)
+        amp = graphamp.convert(model, (x,), inference=True)
+    assert amp.meta[SELF_CHECK_META].ok
 
 
 def test_outputs_of_a_type_without_key_paths_are_compared() -> None:
