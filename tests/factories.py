@@ -10,18 +10,18 @@ import torch
 from torch import nn
 
 
-def llama(kv_heads: int = 2) -> tuple[nn.Module, tuple, dict]:
+def llama(kv_heads: int = 2, *, hidden: int = 128, layers: int = 2, vocab: int = 128, seq: int = 16) -> tuple[nn.Module, tuple, dict]:
     """A two-layer ``LlamaForCausalLM`` (hidden 128, 4 heads), grouped-query attention when ``kv_heads < 4``."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=kv_heads, use_cache=False,
     )
     model = transformers.LlamaForCausalLM(cfg)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
     return model, (), {"input_ids": ids}
 
 

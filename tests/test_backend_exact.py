@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.exc import BackendCompilerFailed
 
+import factories
 import graphamp.backend.observe as observe
 from graphamp.errors import EagerPathWarning, PolicyDriftError
 from graphamp.backend.observe import frame_arguments
@@ -52,16 +53,9 @@ def assert_exact_compiled(model, args, kwargs, dtype):
 
 
 def tiny_llama(kv_heads: int):
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=kv_heads, use_cache=False,
-    )
-    model = transformers.LlamaForCausalLM(cfg)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    return model, {"input_ids": ids}
+    pytest.importorskip("transformers")
+    model, _, kwargs = factories.llama(kv_heads, hidden=32, layers=1, vocab=64, seq=8)
+    return model, kwargs
 
 
 # Attention: transformers repeats grouped heads when compiled and groups them in SDPA in eager.
