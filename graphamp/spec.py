@@ -151,6 +151,10 @@ class AmpSpec:
     target: str = "module"
     # Floating inputs are taken in fp32 and low-precision floating outputs returned in fp32.
     keep_io_types: bool = False
+    # An exact module's graph for calls without grad (AmpModule converts it on the first such call
+    # where eager's program differs, e.g. nn.TransformerEncoderLayer's fused kernel): eager's
+    # no_grad kernels as inference=True takes them, but weights are not frozen.
+    grad_free: bool = False
 
     @classmethod
     def resolve(
@@ -197,10 +201,18 @@ class AmpSpec:
     @property
     def check(self) -> bool:
         """Whether every node's dtype is checked against eager's: exact mode, built-in policy."""
-        return self.mode == "exact" and self.config.is_default
+        return self.mode == "exact" and self.config.keeps_policy
+
+    @property
+    def cache_enabled(self) -> bool:
+        """As ``torch.autocast(cache_enabled=...)``: whether a weight's cast is shared by its uses
+        in one forward (``Config.cache_enabled``)."""
+        return self.config.cache_enabled
 
 
-def ambient_autocast(device_type: str, dtype: torch.dtype, enabled: bool = True) -> contextlib.AbstractContextManager:
+def ambient_autocast(
+    device_type: str, dtype: torch.dtype, enabled: bool = True, *, cache_enabled: bool = True
+) -> contextlib.AbstractContextManager:
     """Set the autocast state of ``device_type`` the way ``torch.autocast`` does, and restore it.
 
     ``torch.autocast("cuda")`` disables itself on a CPU-only build; the low-level switches still
@@ -209,7 +221,7 @@ def ambient_autocast(device_type: str, dtype: torch.dtype, enabled: bool = True)
     >>> with ambient_autocast("cpu", torch.float16):
     ...     assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.float16
     """
-    return autocast_state([AutocastState(device_type, enabled, dtype)])
+    return autocast_state([AutocastState(device_type, enabled, dtype)], cache_enabled)
 
 
 @contextlib.contextmanager
