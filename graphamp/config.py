@@ -68,8 +68,18 @@ class Config:
     # mode="autotune" only: a graphamp.AutotunePlan (or its to_dict() data) to replay instead of
     # measuring; a plan made for another model, device or dtype raises PlanMismatchError.
     plan: AutotunePlan | None = None
+    # As torch.autocast's cache_enabled. True: one low-precision cast per fp32 weight that requires
+    # grad per forward, shared by its uses, so their gradients sum in the low dtype before one cast
+    # up. False: a cast per use, summed in fp32 (PyTorch Lightning's precision="bf16-mixed" runs
+    # autocast this way). Outputs are the same either way; gradients of shared weights differ.
+    cache_enabled: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cache_enabled, bool):
+            raise TypeError(
+                f"Config.cache_enabled must be True or False, as torch.autocast's cache_enabled, "
+                f"got {type(self.cache_enabled).__name__}"
+            )
         if not isinstance(self.op_overrides, Mapping):
             raise TypeError("Config.op_overrides must be a mapping from op to category")
         overrides = {_normalize_op(k): _normalize_category(v) for k, v in self.op_overrides.items()}
@@ -117,6 +127,13 @@ class Config:
 
     @property
     def is_default(self) -> bool:
+        """Nothing asked beyond eager autocast with its defaults."""
+        return self.keeps_policy and self.cache_enabled
+
+    @property
+    def keeps_policy(self) -> bool:
+        """Autocast's own policy: no op overridden, no module kept in fp32, so every node's dtype
+        is eager's (``cache_enabled`` changes where casts are shared, not any dtype)."""
         return not self.op_overrides and not self.fp32_modules
 
     def keeps_fp32(self, module_stack: Mapping[str, tuple[str, object]] | None) -> str | None:
