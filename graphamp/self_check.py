@@ -157,7 +157,7 @@ def _fp32_interface(inputs: Any) -> Any:
 
 
 def _autocast_call(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> Any:
-    with torch.autocast(spec.device_type, dtype=spec.dtype):
+    with torch.autocast(spec.device_type, dtype=spec.dtype, cache_enabled=spec.cache_enabled):
         return model(*args, **kwargs)
 
 

@@ -14,7 +14,6 @@ from graphamp.errors import OptionError
 from graphamp.policy import DEVICE_TYPES
 from graphamp.spec import MODES, resolve_dtype
 
-
 INNER_COMPILERS = ("inductor", "eager")
 
 
@@ -24,6 +23,9 @@ class BackendOptions:
 
     >>> opts = BackendOptions.parse({"dtype": torch.float16, "inner": "eager"})
     >>> assert opts.dtype is torch.float16 and opts.inner == "eager" and opts.mode == "exact"
+    >>> assert BackendOptions.parse({"cache_enabled": False}).config.cache_enabled is False
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+    ...     assert BackendOptions.parse(None).config.cache_enabled is False
     """
 
     # torch.bfloat16 or torch.float16 (or "bf16"/"fp16"); None: the autocast dtype of the device
@@ -39,12 +41,16 @@ class BackendOptions:
     # The compiler graphamp hands the rewritten graph to: "inductor", or "eager" (AOTAutograd
     # running the forward and backward graphs as they are).
     inner: str = "inductor"
+    # As torch.autocast's cache_enabled (see Config.cache_enabled); None: off if the config turns
+    # it off or the enclosing torch.autocast region at compile time does (cache_enabled=False).
+    # parse() folds the answer into ``config``, which is what the rewrite reads.
+    cache_enabled: bool | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None) -> BackendOptions:
         """Validate ``options`` (a mapping from option name to value; None means all defaults)."""
         if options is None:
-            return cls()
+            return cls()._with_cache_in_config()
         if not isinstance(options, Mapping):
             raise OptionError(
                 f"options must be a dict such as {{'dtype': torch.bfloat16}}, got {type(options).__name__}"
@@ -73,4 +79,25 @@ class BackendOptions:
                 resolve_dtype(opts.dtype, opts.device_type or "cpu")
             except (TypeError, ValueError) as e:
                 raise OptionError(f"option dtype: {e}") from e
-        return opts
+        return opts._with_cache_in_config()
+
+    def _with_cache_in_config(self) -> BackendOptions:
+        config = self.config or Config()
+        if self.cache_enabled is None:
+            # As dtype=None reads the enclosing region's dtype: the region's cache setting, read
+            # when dynamo calls the backend (it restores the caller's autocast state for that).
+            enabled = config.cache_enabled and torch.is_autocast_cache_enabled()
+        elif not isinstance(self.cache_enabled, bool):
+            raise OptionError(
+                f"option cache_enabled must be True or False (as torch.autocast's), got {type(self.cache_enabled).__name__}"
+            )
+        elif self.cache_enabled and not config.cache_enabled:
+            raise OptionError(
+                "option cache_enabled=True contradicts option config, whose cache_enabled is False; "
+                "pass one of them (options={'cache_enabled': False} or config=Config(cache_enabled=False))"
+            )
+        else:
+            enabled = self.cache_enabled
+        if enabled == config.cache_enabled:
+            return dataclasses.replace(self, cache_enabled=enabled)
+        return dataclasses.replace(self, cache_enabled=enabled, config=dataclasses.replace(config, cache_enabled=enabled))

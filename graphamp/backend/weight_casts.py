@@ -11,6 +11,9 @@ an input whose example is an fp32 ``nn.Parameter`` that requires grad is a leaf 
 dynamo lets through (its guards check each input's type, dtype and ``requires_grad``). Those
 calls are replaced by the first cast itself. Other inputs keep the call: whether a tensor is a
 leaf is not guarded, so it cannot be decided once for every call.
+
+With ``cache_enabled=False`` (``Config``, the backend's option, or the enclosing autocast region)
+eager caches nothing and ``dedupe_casts`` leaves no cached call behind: there is nothing to share.
 """
 
 from __future__ import annotations

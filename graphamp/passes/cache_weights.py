@@ -9,6 +9,12 @@ parameter requires grad), it is recomputed each call, once per forward, as eager
 
 ``freeze_weights`` goes further for inference: a parameter used only through one low-precision
 cast is replaced by a low-precision buffer cast once, now.
+
+With ``spec.cache_enabled`` False the copies follow eager's ``torch.autocast(cache_enabled=False)``,
+whose casts under ``no_grad`` do not require grad: matmul then takes another kernel (bmm rather
+than a folded mm) that rounds fp16 differently. ``WeightCache`` keeps the cached cast's flag, so
+``cache_weights`` leaves such a graph's casts as they are (eager recasts every call too), and
+``freeze_weights`` freezes buffers that do not require grad.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ def _param_casts(gm: GraphModule) -> list[tuple[Node, Node]]:
 
 def cache_weights(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Route every parameter's low-precision cast through a cache that persists across calls."""
+    if not spec.cache_enabled:
+        return PassResult(gm, False)
     casts = _param_casts(gm)
     if not casts:
         return PassResult(gm, False)
@@ -80,8 +88,9 @@ def freeze_weights(gm: GraphModule, spec: AmpSpec) -> PassResult:
         with torch.no_grad():
             low = param.detach().to(cast.kwargs["dtype"])
         # As eager autocast's cached cast under no_grad: it requires grad where the weight does,
-        # and matmul picks its kernel by that flag (see runtime.WeightCache.get).
-        low.requires_grad_(param.requires_grad)
+        # and matmul picks its kernel by that flag (see runtime.WeightCache.get); an uncached cast
+        # (cache_enabled=False) does not.
+        low.requires_grad_(param.requires_grad and spec.cache_enabled)
         *path, name = src.target.split(".")
         owner = gm.get_submodule(".".join(path)) if path else gm
         delattr(owner, name)

@@ -13,6 +13,10 @@ input is one is known only at call time, so a floating input's later casts becom
 :func:`graphamp.runtime.autocast_cached` calls, which reuse the forward's first cast exactly when eager would.
 
 Activations that may carry gradients keep one cast per consumer, as eager does.
+
+With ``spec.cache_enabled`` False (``torch.autocast(cache_enabled=False)``, as PyTorch Lightning
+runs it) eager caches nothing: parameters and inputs keep one cast per use, and only casts no
+gradient can tell apart are shared.
 """
 
 from __future__ import annotations
@@ -54,7 +58,10 @@ def dedupe_casts(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Merge casts of one value to one dtype where eager shares them or no gradient can tell.
 
     ``spec.inference`` declares the module will never be differentiated, so every cast is shared.
+    ``spec.cache_enabled`` False shares no cast that a gradient could tell apart, as eager's
+    ``torch.autocast(cache_enabled=False)`` caches none.
     """
+    cache = spec.cache_enabled
     free = grad_free_nodes(gm, no_grad=spec.inference)
     first: dict[tuple, Node] = {}
     first_input: dict[tuple, Node] = {}
@@ -66,13 +73,13 @@ def dedupe_casts(gm: GraphModule, spec: AmpSpec) -> PassResult:
         src = node.args[0]
         # A cast made under no_grad carries no autograd history; it must not serve a consumer outside.
         key = (src, node.kwargs["dtype"], in_no_grad(node))
-        if src in free or _is_cached_param_cast(gm, node):
+        if src in free or (cache and _is_cached_param_cast(gm, node)):
             kept = first.setdefault(key, node)
             if kept is not node:
                 node.replace_all_uses_with(kept)
                 gm.graph.erase_node(node)
                 modified = True
-        elif _is_input_cast(node):
+        elif cache and _is_input_cast(node):
             kept = first_input.setdefault(key, node)
             if kept is not node:
                 with gm.graph.inserting_before(node):

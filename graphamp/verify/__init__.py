@@ -117,7 +117,9 @@ def _verify(
         else:
             sides = _run_real(model, args, kwargs, dtype, device_type, mode, config, amp=amp)
             if grads:
-                grad_checks, grad_divergence, grad_notes = _check_grads(model, sides.amp, args, kwargs, device_type, dtype)
+                grad_checks, grad_divergence, grad_notes = _check_grads(
+                    model, sides.amp, args, kwargs, device_type, dtype, cache_enabled=spec.cache_enabled
+                )
     graphamp_ops = op_signatures(sides.graphamp_graph)
     eager_ops = op_signatures(sides.eager_graph)
     scan = _scan(graphamp_ops, eager_ops)

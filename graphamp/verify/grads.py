@@ -243,9 +243,11 @@ def _consumers(node: Node) -> list[Node]:
     return found
 
 
-def _check_grads(model: nn.Module, amp: AmpModule, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype) -> tuple[tuple[GradCheck, ...], GradDivergence | None, list[str]]:
+def _check_grads(
+    model: nn.Module, amp: AmpModule, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype, *, cache_enabled: bool = True,
+) -> tuple[tuple[GradCheck, ...], GradDivergence | None, list[str]]:
     def eager(a: tuple, k: dict) -> Any:
-        with torch.autocast(device_type, dtype=dtype):
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled):
             return model(*a, **k)
 
     interpreter = _NodeInterpreter(amp)

@@ -77,9 +77,11 @@ def _trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> GraphModule:
     return trace(fn, args, kwargs, no_grad=not torch.is_grad_enabled())
 
 
-def _eager_graph(model: nn.Module, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype) -> GraphModule:
+def _eager_graph(
+    model: nn.Module, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype, *, cache_enabled: bool = True
+) -> GraphModule:
     def run(*a: Any, **k: Any) -> Any:
-        with ambient_autocast(device_type, dtype):
+        with ambient_autocast(device_type, dtype, cache_enabled=cache_enabled):
             return model(*a, **k)
 
     # Plain eager, as capture traces it (torch.compiler.is_compiling() False inside forward).
@@ -139,15 +141,16 @@ def _run_real(
 ) -> _Sides:
     amp, notes = (amp, []) if amp is not None else _convert(model, args, kwargs, dtype, device_type, mode, config)
     devices = [torch.device(device_type, i) for i in range(torch.cuda.device_count())] if device_type == "cuda" else []
+    cache_enabled = (config or Config()).cache_enabled
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         # Same random stream on both sides, so dropout draws the same masks.
         state = _rng_state(device_type)
-        with torch.autocast(device_type, dtype=dtype):
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled):
             ref = _detached(model(*args, **kwargs))
         _set_rng_state(device_type, state)
         out = _detached(amp(*args, **kwargs))
         _set_rng_state(device_type, state)
-        eager_graph = _eager_graph(model, args, kwargs, device_type, dtype)
+        eager_graph = _eager_graph(model, args, kwargs, device_type, dtype, cache_enabled=cache_enabled)
         _set_rng_state(device_type, state)
         graphamp_graph = _lowered_graph(amp, args, kwargs)
     return _Sides(amp, out, ref, graphamp_graph, eager_graph, notes)
@@ -172,10 +175,11 @@ def _run_fake_cuda(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dty
         fake_model = fake_cuda_model(model)
         fake_args, fake_kwargs = fake_cuda_inputs(args, kwargs)
         amp, notes = _convert(fake_model, fake_args, fake_kwargs, dtype, "cuda", mode, config)
-        with ambient_autocast("cuda", dtype):
+        cache_enabled = (config or Config()).cache_enabled
+        with ambient_autocast("cuda", dtype, cache_enabled=cache_enabled):
             ref = fake_model(*fake_args, **fake_kwargs)
         out = amp(*fake_args, **fake_kwargs)
-        eager_graph = _eager_graph(fake_model, fake_args, fake_kwargs, "cuda", dtype)
+        eager_graph = _eager_graph(fake_model, fake_args, fake_kwargs, "cuda", dtype, cache_enabled=cache_enabled)
         graphamp_graph = _lowered_graph(amp, fake_args, fake_kwargs)
     notes.append("values not compared: fake CUDA tensors carry no data; ops, dtypes and shapes were compared")
     return _Sides(amp, out, ref, graphamp_graph, eager_graph, notes)
