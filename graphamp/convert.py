@@ -198,7 +198,7 @@ def _rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, chec
     """Capture, observe eager and run the passes: the rewritten graph, before emit (graphamp.export
     hands it to torch.export instead)."""
     with autocast_off():
-        gm = capture(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=not spec.inference and spec.target == "module")
+        gm = capture(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=not (spec.inference or spec.grad_free) and spec.target == "module")
         observe_eager(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype)
         run_passes(gm, spec, build_pipeline(spec, check=check))
         return gm

@@ -6,10 +6,12 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import io
 import logging
 import pickle
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +24,10 @@ from torch.fx.graph_module import _forward_from_src
 
 from graphamp.capture import SIZE_CONDITIONS
 from graphamp.config import Config
-from graphamp.errors import InputMismatchError, InputShapeError
+from graphamp.errors import InputMismatchError, InputShapeError, ModelChangedError
 from graphamp.spec import AmpSpec, autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
+from graphamp.passes.fuse_encoder_layers import FUSED_WITHOUT_GRAD
 from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
 from graphamp.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
@@ -36,8 +39,11 @@ __all__ = ["AmpModule", "AmpInfo", "emit", "input_signature", "describe_signatur
 
 _GUARD = "_graphamp_guard"
 _TRACEABLE = "_graphamp_traceable"  # the forward dynamo traces (recompile)
+_GRAPH = "_graphamp_graph"  # the class attribute holding the generated code (recompile)
 _BUILDING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_emit_building", default=False)
 _VARIANTS = "_graphamp_variants"  # the modules converted for other shape classes, in order
+_MODES = "_graphamp_modes"  # the modules converted for another training mode, or for calls without grad
+_MODEL_STATE = "_graphamp_model_state"  # (type, first parameter): what the model held at conversion
 # How many other shape classes one converted module converts for before it refuses: each holds a
 # graph and costs a conversion (seconds), so inputs of ever new shapes should be padded instead.
 MAX_SHAPE_CLASSES = 8
@@ -58,10 +64,13 @@ class AmpInfo:
     config: Config
     inference: bool = False
     keep_io_types: bool = False  # a default: modules saved before it was recorded load with it
+    grad_free: bool = False  # the graph for calls without grad of an exact module (AmpSpec.grad_free)
 
     def spec(self) -> AmpSpec:
         """The conversion's spec again, to convert the same model for another shape class."""
-        return AmpSpec(self.device_type, self.dtype, self.mode, self.inference, self.config, "module", self.keep_io_types)
+        return AmpSpec(
+            self.device_type, self.dtype, self.mode, self.inference, self.config, "module", self.keep_io_types, self.grad_free
+        )
 
 
 _TENSOR = "<tensor>"
@@ -148,12 +157,134 @@ class AmpModule(GraphModule):
         return self.__dict__["_graphamp"]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # nn.Module's call (hooks), whose forward is the dispatch below; FX's wrapped call would
+        # reach the generated code directly.
+        return nn.Module.__call__(self, *args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward: the graph converted for the module's mode (``train()`` /
+        ``eval()``), grad mode where eager's program depends on it, and these inputs' shape class
+        and structure, converting one on first use. Takes the model's arguments; each converted
+        module's class shows the model's signature (``inspect.signature(amp.forward)``)."""
         if torch.compiler.is_compiling():
             return self._call_graph(args, kwargs)
+        self._check_parameters()
+        return self._for_mode(args, kwargs)._call_classes(args, kwargs)
+
+    def _call_classes(self, args: tuple, kwargs: dict) -> Any:
         try:
             return self._call_graph(args, kwargs)
         except InputShapeError as e:
             return self._call_shape_class(e, args, kwargs)
+
+    def _for_mode(self, args: tuple, kwargs: dict) -> AmpModule:
+        """This module, or the one converted for the current training mode and, where eager's
+        program differs without grad (nn.TransformerEncoderLayer's fused kernel), grad mode."""
+        info = self.__dict__.get("_graphamp")
+        if info is None:
+            return self
+        training = self.training
+        base = self if training == info.training else self._mode_variant((training, False), args, kwargs)
+        if not info.inference and not info.grad_free and not torch.is_grad_enabled() and base.meta.get(FUSED_WITHOUT_GRAD):
+            return self._mode_variant((training, True), args, kwargs)
+        return base
+
+    def _mode_variant(self, key: tuple[bool, bool], args: tuple, kwargs: dict) -> AmpModule:
+        modes = self.__dict__.setdefault(_MODES, {})
+        variant = modes.get(key)
+        if variant is None:
+            with _RECONVERTING:
+                variant = modes.get(key)
+                if variant is None:
+                    variant = modes[key] = self._converted_as(*key, args, kwargs)
+        return variant
+
+    def _converted_as(self, training: bool, grad_free: bool, args: tuple, kwargs: dict) -> AmpModule:
+        """The model converted again in another training mode, or for calls without grad."""
+        model = self.__dict__.get(_MODEL)
+        mode = ("training" if training else "eval") + (" without grad" if grad_free else "")
+        if model is None:
+            raise InputMismatchError(
+                f"this module was converted in {'training' if self.graphamp_info.training else 'eval'} mode and is "
+                f"called in {mode} mode, whose graph it cannot convert: it holds no reference to its model (saved by "
+                "an older graphamp, or the model could not be pickled with it). Way out: call "
+                f"model.{'train' if training else 'eval'}() on the original model and graphamp.convert it again."
+            )
+        spec = dataclasses.replace(self.graphamp_info.spec(), grad_free=grad_free)
+        variant = self._converted(model, spec, training, args, kwargs, f"{mode} mode")
+        _log.info("graphamp converted %s again for %s mode", type(model).__name__, mode)
+        return variant
+
+    def _converted(
+        self, model: nn.Module, spec: AmpSpec, training: bool, args: tuple, kwargs: dict, what: str, refused: str = ""
+    ) -> AmpModule:
+        """``model`` converted with ``spec`` in the given training mode, checked as convert checked
+        this module (raising, or warning where convert warned)."""
+        from graphamp.convert import _convert  # convert imports emit
+        from graphamp.self_check import applies, check_against_eager
+
+        checked = self.meta.get(SELF_CHECK_META)
+        # Captured in the grad mode its calls run in: the model's code may read it.
+        with _training_as(model, training), torch.inference_mode(False), torch.set_grad_enabled(not spec.grad_free):
+            try:
+                variant = _convert(model, args, kwargs, spec)
+            except Exception as failure:
+                raise InputShapeError(
+                    f"{refused}Converting {type(model).__name__} again for {what} failed: {type(failure).__name__}: "
+                    f"{str(failure).strip().splitlines()[0][:300]} Way out: check that the model runs eagerly on "
+                    "these inputs, in this mode."
+                ) from failure
+            if checked is not None and applies(spec, model, args, kwargs):
+                # A loaded module's record is a plain dict. A graph for calls without grad is
+                # checked as an inference conversion is: forward only, under no_grad.
+                ok = checked["ok"] if isinstance(checked, dict) else checked.ok
+                check_spec = dataclasses.replace(spec, inference=True) if spec.grad_free else spec
+                variant.meta[SELF_CHECK_META] = check_against_eager(
+                    variant, model, args, kwargs, check_spec, on_drift="raise" if ok else "warn"
+                )
+        return variant
+
+    def _check_parameters(self) -> None:
+        """Refuse to run where the model no longer holds the parameters the graph reads (FSDP's
+        ``fully_shard`` after conversion swaps the model's class and its parameters for sharded
+        ones): the graph would compute with, and train, tensors nobody optimizes. Checked per call
+        on the model's class and first parameter (cheap); ``check_model()`` compares them all."""
+        model, state = self.__dict__.get(_MODEL), self.__dict__.get(_MODEL_STATE)
+        if model is None or state is None:
+            return
+        if type(model) is not state[0] or next(iter(model.parameters()), None) is not state[1]():
+            self.check_model()
+
+    def check_model(self) -> None:
+        """Raise :class:`graphamp.ModelChangedError` if the model's parameters are not the ones this
+        module's graph reads (each compared, by identity)."""
+        model = self.__dict__.get(_MODEL)
+        if model is None:
+            return
+        ours = dict(self.named_parameters(remove_duplicate=False))
+        theirs = dict(model.named_parameters(remove_duplicate=False))
+        changed = [name for name, p in ours.items() if name in theirs and theirs[name] is not p]
+        gone = [name for name in ours if name not in theirs]
+        sharded = type(model).__name__.startswith("FSDP") or any(
+            type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor" for p in theirs.values()
+        )
+        if not changed and not gone and not sharded:
+            self.__dict__[_MODEL_STATE] = _model_state(model)  # e.g. a class swapped by a wrapper: fine
+            return
+        names = ", ".join((changed + gone)[:3]) + (" ..." if len(changed) + len(gone) > 3 else "")
+        if sharded:
+            raise ModelChangedError(
+                f"{type(model).__name__} was sharded (FSDP fully_shard) after graphamp converted it: the converted "
+                f"graph reads the parameters from before sharding ({names}), so it would train nothing and reduce "
+                "no gradient. Way out: shard first, then convert (graphamp.TrainStep / graphamp.convert on the "
+                "sharded model), or torch.compile(model, backend=\"graphamp\")."
+            )
+        raise ModelChangedError(
+            f"{type(model).__name__}'s parameters were replaced after graphamp converted it ({len(changed) + len(gone)} "
+            f"of {len(ours)}: {names}): the converted graph reads the old tensors, which the model and its "
+            "optimizer no longer see. Way out: update parameters in place (load_state_dict, optimizer steps, "
+            "param.data.copy_), or graphamp.convert the model again."
+        )
 
     def _call_graph(self, args: tuple, kwargs: dict) -> Any:
         info = self.__dict__.get("_graphamp")
@@ -209,26 +340,10 @@ class AmpModule(GraphModule):
                 "inputs to a few fixed shapes, or convert with an example whose sizes the model's code "
                 "lets vary, or use torch.compile(model, backend=\"graphamp\")."
             ) from None
-        from graphamp.convert import _convert  # convert imports emit
-        from graphamp.self_check import applies, check_against_eager
-
-        spec, checked = self.graphamp_info.spec(), self.meta.get(SELF_CHECK_META)
-        with _training_as(model, self.graphamp_info.training), torch.inference_mode(False), torch.enable_grad():
-            try:
-                variant = _convert(model, args, kwargs, spec)
-            except Exception as failure:
-                raise InputShapeError(
-                    f"{refused} Converting {type(model).__name__} again for these shapes {shapes} failed: "
-                    f"{type(failure).__name__}: {str(failure).strip().splitlines()[0][:300]} Way out: check "
-                    "that the model runs eagerly on inputs of this shape."
-                ) from failure
-            if checked is not None and applies(spec, model, args, kwargs):
-                # As convert checked the example's conversion, on these inputs: raise (or warn, as
-                # convert did) where this one differs from eager autocast. A loaded module's record
-                # is a plain dict.
-                ok = checked["ok"] if isinstance(checked, dict) else checked.ok
-                on_drift = "raise" if ok else "warn"
-                variant.meta[SELF_CHECK_META] = check_against_eager(variant, model, args, kwargs, spec, on_drift=on_drift)
+        spec = self.graphamp_info.spec()
+        variant = self._converted(
+            model, spec, self.graphamp_info.training, args, kwargs, f"these shapes {shapes}", refused=f"{refused} "
+        )
         variants.append(variant)
         _log.log(
             logging.WARNING if len(variants) == 1 else logging.INFO,
@@ -247,7 +362,7 @@ class AmpModule(GraphModule):
     def _run(self, args: tuple, kwargs: dict) -> Any:
         if torch.compiler.is_compiling():  # dynamo traces the code without direct overload calls
             return self.__dict__[_TRACEABLE](self, *args, **kwargs)
-        return super().__call__(*args, **kwargs)
+        return type(self).__dict__[_GRAPH](self, *args, **kwargs)
 
     def recompile(self):  # noqa: ANN201 (FX's PythonCode)
         """FX's recompile, writing faster code (:mod:`graphamp.codegen`): ``self.code`` hoists the
@@ -260,7 +375,15 @@ class AmpModule(GraphModule):
         self.__dict__[_TRACEABLE] = _forward_from_src(traceable.src, traceable.globals)
         bindings = bindings_of(self._graph)
         with self._graph.on_generate_code(lambda _previous: lambda body: eager_body(body, bindings)):
-            return super().recompile()
+            code = super().recompile()
+        cls = type(self)
+        # The generated code runs the graph (_run); the class's forward is the dispatch, with the
+        # model's signature, and its call nn.Module's (FX's wrapped call would bypass the dispatch).
+        setattr(cls, _GRAPH, cls.__dict__["forward"])
+        cls.forward = _signed_forward(self.__dict__.get(_MODEL))
+        if "__call__" in vars(cls):
+            del cls.__call__
+        return code
 
     def refresh(self) -> None:
         """Recompute the low-precision weight copies from the model's parameters.
@@ -272,7 +395,7 @@ class AmpModule(GraphModule):
         cache = getattr(self, WEIGHT_CACHE, None)
         if cache is not None:
             cache.clear()
-        for variant in self.__dict__.get(_VARIANTS, ()):
+        for variant in [*self.__dict__.get(_VARIANTS, ()), *self.__dict__.get(_MODES, {}).values()]:
             variant.refresh()
         for path, source in self.__dict__.get("_graphamp_frozen", {}).items():
             param = source()
@@ -285,15 +408,13 @@ class AmpModule(GraphModule):
                 self.get_buffer(path).copy_(param)
 
     def train(self, mode: bool = True) -> AmpModule:
-        info = self.__dict__.get("_graphamp")
-        if info is not None and bool(mode) != info.training:
-            captured = "training" if info.training else "eval"
-            raise RuntimeError(
-                f"this module was converted in {captured} mode, and dropout and batch-norm behaviour "
-                f"is part of its graph. Way out: call model.{'eval' if info.training else 'train'}() "
-                "on the original model and graphamp.convert it again."
-            )
+        """Set the training mode, as ``nn.Module.train``: the next call runs the graph converted in
+        that mode (dropout, batch norm), converting it from the model on first use."""
         return super().train(mode)
+
+    def _graphamp_bind(self, model: nn.Module) -> None:
+        """Keep ``model`` (the runtime calls this on load); see :func:`bind_model`."""
+        bind_model(self, model)
 
     # What the code's hoisted parameter reads call (graphamp.codegen.READ_METHOD): self is the root.
     _graphamp_read = read_state
@@ -309,6 +430,8 @@ class AmpModule(GraphModule):
         body.pop("_graphamp_frozen", None)  # weak references to the source model do not travel
         body.pop(_TRACEABLE, None)  # recompiled on load
         body.pop(_VARIANTS, None)  # converted again on first use after loading
+        body.pop(_MODES, None)
+        body.pop(_MODEL_STATE, None)  # weak reference; set again from the loaded model
         # The model travels so that the loaded module converts again for other shape classes; its
         # parameters are pickled once, as the objects this module shares with it.
         if body.get(_MODEL) is not None and not _picklable(body[_MODEL]):
@@ -452,11 +575,60 @@ def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tup
         spec.device_type, spec.dtype, spec.mode, model.training, spec.config, spec.inference, spec.keep_io_types
     )
     if spec.target == "module":
-        amp.__dict__[_MODEL] = model
+        bind_model(amp, model)
     amp.__dict__["_graphamp_frozen"] = frozen
     if example is not None:
         amp.__dict__["_graphamp_signature"] = input_signature(*example)
         amp.__dict__["_graphamp_arity"] = _plain_arity(*example)
     nn.Module.train(amp, model.training)
+    _in_model_order(amp, model)
     amp.recompile()
     return amp
+
+
+def bind_model(amp: AmpModule, model: nn.Module) -> None:
+    """Keep ``model`` with its converted module: to convert it again (other shapes, modes), to show
+    its forward's signature, and to notice when its parameters are no longer the graph's."""
+    amp.__dict__[_MODEL] = model
+    amp.__dict__[_MODEL_STATE] = _model_state(model)
+    if _GRAPH in type(amp).__dict__:  # a loaded module: its class's forward gets the signature now
+        type(amp).forward = _signed_forward(model)
+
+
+def _model_state(model: nn.Module) -> tuple[type, Any]:
+    first = next(iter(model.parameters()), None)
+    return type(model), (weakref.ref(first) if first is not None else lambda: None)
+
+
+def _signed_forward(model: nn.Module | None) -> Any:
+    """AmpModule.forward as a function of its own, showing the model's forward's signature (HF
+    Trainer drops the dataset columns it does not name)."""
+
+    def forward(self: AmpModule, *args: Any, **kwargs: Any) -> Any:
+        return AmpModule.forward(self, *args, **kwargs)
+
+    forward.__doc__ = AmpModule.forward.__doc__
+    if model is not None:
+        try:
+            signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):  # a builtin or C++ forward (ScriptModule)
+            return forward
+        this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        forward.__signature__ = signature.replace(parameters=[this, *signature.parameters.values()])
+    return forward
+
+
+def _in_model_order(amp: nn.Module, model: nn.Module) -> None:
+    """Order each submodule's parameters, buffers and children as the model's, so that
+    ``parameters()`` lists them in the model's order (gradient clipping sums the norm in it)."""
+    ours = dict(amp.named_modules(remove_duplicate=False))
+    for path, theirs in model.named_modules(remove_duplicate=False):
+        mine = ours.get(path)
+        if mine is None:
+            continue
+        for field in ("_parameters", "_buffers", "_modules"):
+            table, order = getattr(mine, field), list(getattr(theirs, field))
+            rank = {name: i for i, name in enumerate(order)}
+            ordered = sorted(table.items(), key=lambda item: rank.get(item[0], len(rank)))
+            table.clear()
+            table.update(ordered)

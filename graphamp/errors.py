@@ -79,3 +79,9 @@ class SearchError(GraphampError, RuntimeError):
 
 class SearchWarning(UserWarning):
     """``graphamp.search`` has nothing to keep in fp32: the model already passes with autocast's policy."""
+
+
+class ModelChangedError(GraphampError, RuntimeError):
+    """The model a converted module shares its parameters with no longer holds them (its parameters
+    were re-registered, or ``fully_shard`` sharded it after conversion): the graph would compute
+    with, and train, tensors the model and its optimizer no longer see."""

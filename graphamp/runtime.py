@@ -634,7 +634,7 @@ def rebuild_amp_module(body: dict[str, Any], import_block: str) -> nn.Module:
     forward = _forward_from_src(import_block + (body.get("_code") or body["code"]), {})
     amp = _deserialize_graph_module(forward, body, graph_module_cls=graphamp.AmpModule)
     if model is not None:
-        amp.__dict__[_MODEL] = model
+        amp._graphamp_bind(model)
     if record is not None:
         _restore_node_meta(amp.graph, record, graphamp.AmpModule.node_info_from_saved)
     return amp

@@ -260,12 +260,13 @@ def test_converting_inside_an_ambient_region_changes_nothing():
     assert_same_outputs(inside(x), outside(x))
 
 
-def test_mode_is_part_of_the_graph():
+def test_mode_switch_converts_the_other_graph():
     model = Small().eval()
     amp = graphamp.convert(model, (_x(),))
-    amp.eval()  # the same mode is fine
-    with pytest.raises(RuntimeError, match="converted in eval mode"):
-        amp.train()
+    amp.train()  # tests/test_amp_module_modes.py checks the training graph against eager
+    assert amp.training and not model.training
+    amp(_x())
+    assert set(amp.__dict__["_graphamp_modes"]) == {(True, False)}
 
 
 def test_thread_safety():

@@ -188,16 +188,31 @@ def test_a_difference_only_under_no_grad_warns(monkeypatch: pytest.MonkeyPatch) 
     assert not amp.meta[SELF_CHECK_META].ok
 
 
-def test_an_eval_encoder_under_no_grad_is_said_with_the_way_out() -> None:
-    # Eager runs an eval TransformerEncoder through its fused fp32 kernel under no_grad; an exact
-    # module holds the grad-mode program. Said (with inference=True as the way out), not refused.
-    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
-    model, x = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval(), torch.randn(2, 5, 32)
+def test_a_program_that_differs_only_without_grad_is_said_with_the_way_out() -> None:
+    # The model's code reads the grad mode: the exact module holds the grad-mode program, which
+    # eager leaves under no_grad. Said (with inference=True as the way out), not refused.
+    class GradReader(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.proj(x)
+            return y.softmax(-1) if torch.is_grad_enabled() else y
+
+    model, x = GradReader(), torch.randn(2, 8)
     with pytest.warns(graphamp.PolicyDriftWarning, match=r"under torch.no_grad.*inference=True"):
         graphamp.convert(model, (x,))
+
+
+def test_an_eval_encoder_is_exact_with_and_without_grad() -> None:
+    # Eager runs an eval TransformerEncoder through its fused kernel under no_grad; the exact module
+    # converts that program for its calls without grad (tests/test_amp_module_modes.py checks values).
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model, x = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval(), torch.randn(2, 5, 32)
     with warnings.catch_warnings():
         warnings.simplefilter("error", graphamp.PolicyDriftWarning)
-        amp = graphamp.convert(model, (x,), inference=True)
+        amp = graphamp.convert(model, (x,))
     assert amp.meta[SELF_CHECK_META].ok
 
 

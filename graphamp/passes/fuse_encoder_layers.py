@@ -37,10 +37,12 @@ from graphamp.runtime import autocast_op
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
 
-__all__ = ["fuse_encoder_layers"]
+__all__ = ["FUSED_WITHOUT_GRAD", "fuse_encoder_layers"]
 
 aten = torch.ops.aten
 FUSED = aten._transformer_encoder_layer_fwd.default
+# gm.meta: whether eager's program for this graph differs without grad (read by AmpModule).
+FUSED_WITHOUT_GRAD = "graphamp.fused_without_grad"
 MHA = aten._native_multi_head_attention.default
 _LAYER = "TransformerEncoderLayer"
 _ATTENTION = "MultiheadAttention"
@@ -180,7 +182,15 @@ def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Replace each eval TransformerEncoderLayer's ops by eager's fused kernel under autocast."""
     # An AmpModule only: the torch.compile backend maps the fused op itself (backend/fast_paths.py),
     # and an exported program holds no graphamp call.
-    if spec.target != "module" or not spec.inference or spec.device_type != "cpu" or not torch.backends.mha.get_fastpath_enabled():
+    if spec.target != "module" or spec.device_type != "cpu" or not torch.backends.mha.get_fastpath_enabled():
+        return PassResult(gm, False)
+    if not (spec.inference or spec.grad_free):
+        # A graph kept for grad: eager's program is this one with grad; without grad it would be the
+        # fused one, which the AmpModule converts on its first call without grad (AmpSpec.grad_free).
+        fused = any(_fused_args(gm, p, n) for p, n in _regions(gm).items()) or any(
+            _attention_args(gm, p, n) for p, n in _regions(gm, _ATTENTION).items()
+        )
+        gm.meta[FUSED_WITHOUT_GRAD] = fused
         return PassResult(gm, False)
     modified = False
     for path, nodes in _regions(gm).items():
