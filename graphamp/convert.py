@@ -131,8 +131,14 @@ def _convert(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, chec
     """The conversion core every frontend calls: capture, observe eager, run the passes, emit.
 
     ``check`` overrides ``spec.check`` (verify rebuilds a drifted conversion without the check, to
-    report where it differs).
+    report where it differs). A model holding FSDP2 (``fully_shard``) units is converted unit by
+    unit (:mod:`graphamp.integrations.fsdp`).
     """
+    # Lazy, and importing nothing of torch.distributed by itself.
+    from graphamp.integrations import fsdp
+
+    if fsdp.is_sharded(model):
+        return fsdp.convert_sharded(model, args, kwargs, spec, check=check)
     with autocast_off():
         gm = _rewrite(model, args, kwargs, spec, check=check)
         amp = emit(gm, model, spec, example=(args, kwargs))

@@ -365,7 +365,11 @@ class TrainStep:
         check_device(self.spec.device_type, wrapper, inputs)
         amp = _convert(wrapper, inputs, {}, self.spec)
         if self.on_drift != "off" and applies(self.spec, wrapper, inputs, {}):
-            amp.meta[SELF_CHECK_META] = check_against_eager(amp, wrapper, inputs, {}, self.spec, on_drift=self.on_drift)
+            # A model with FSDP2 units is converted unit by unit, and checked with FSDP's hooks.
+            from graphamp.integrations import fsdp
+
+            check = fsdp.self_check if fsdp.FSDP_META in amp.meta else check_against_eager
+            amp.meta[SELF_CHECK_META] = check(amp, wrapper, inputs, {}, self.spec, on_drift=self.on_drift)
         return amp
 
     def _loss(self, args: tuple, kwargs: dict[str, Any], target: Any) -> torch.Tensor:

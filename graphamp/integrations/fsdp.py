@@ -1,0 +1,469 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) models, converted unit by unit.
+
+FSDP2 gathers a unit's parameters in a forward pre-hook and frees them in a forward hook, and
+reduce-scatters its gradients from autograd hooks on the unit's inputs and outputs. One graph for
+the whole model would bypass all of them. So each sharded unit (every module ``fully_shard`` was
+applied to) is converted on its own, with its parameters unsharded so that capture sees plain
+tensors, and with each nested unit's call kept as one opaque node of its graph. At run time that
+node calls the nested unit *as a module*, so FSDP's hooks run as usual, with the unit's
+``forward`` bound to its converted graph for the duration of the call; the graph reads the
+unit's parameters at call time, after the pre-hook gathered them. Eager autocast's casts are
+local to each op, so the units' graphs together compute what eager autocast + FSDP2 computes.
+
+``graphamp.convert`` and ``graphamp.TrainStep`` dispatch here when the model holds a sharded unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from graphamp.errors import CaptureError, GraphampError, InputMismatchError, InputShapeError
+from graphamp.spec import AmpSpec, ambient_autocast
+
+__all__ = ["FSDP_META", "FsdpUnitCall", "convert_sharded", "is_sharded", "self_check", "sharded_after_conversion", "sharded_units"]
+
+FSDP_META = "graphamp.fsdp"  # amp.meta: the paths of the units converted on their own
+_FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard"
+# Set while the units are being converted: _convert converts each unit as a plain module then, and
+# each nested unit's call is recorded as one node instead of running.
+_CONVERTING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_fsdp_converting", default=False)
+
+
+def _fsdp_module_class() -> type | None:
+    # Nothing is sharded unless fully_shard was imported; a plain conversion imports nothing here.
+    module = sys.modules.get(_FULLY_SHARD)
+    return None if module is None else module.FSDPModule
+
+
+def sharded_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of ``model`` that ``fully_shard`` was applied to, with their paths, in
+    ``named_modules`` order (a unit before the units inside it)."""
+    fsdp_module = _fsdp_module_class()
+    if fsdp_module is None:
+        return []
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, fsdp_module)]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``graphamp.convert`` must convert ``model`` unit by unit (it holds an FSDP2 unit)."""
+    return not _CONVERTING.get() and bool(sharded_units(model))
+
+
+class _Unit:
+    """One sharded unit and its converted graph; the kept node of the enclosing graph calls it."""
+
+    def __init__(self, path: str, module: nn.Module) -> None:
+        self.path = path
+        self.module = module
+        self.amp: nn.Module | None = None
+        self.out_spec: pytree.TreeSpec | None = None  # the forward's output structure (set at capture)
+        self.links: list[tuple[nn.Module, str, nn.Module]] = []
+
+    def __deepcopy__(self, memo: dict) -> _Unit:
+        return self  # the unit is the model's own module, shared as its parameters are
+
+    def __reduce__(self) -> tuple:
+        raise GraphampError(
+            f"a module graphamp converted unit by unit for FSDP cannot be saved (it calls the sharded "
+            f"unit {self.path or '<root>'} of the live model). Way out: save the model's state_dict "
+            "(FSDP's distributed checkpoint) and convert again after loading."
+        )
+
+    def __repr__(self) -> str:
+        return f"<FSDP unit {self.path or '<root>'}: {type(self.module).__name__}>"
+
+    def bind(self, amp: nn.Module, nested: list[_Unit]) -> None:
+        """Use ``amp`` as this unit's forward; it reads the unit's own parameters (not the nested
+        units') from the unit at each call."""
+        inner = {id(p) for unit in nested for p in unit.module.parameters()}
+        self.links = []
+        for path, param in self.module.named_parameters():
+            if id(param) in inner:
+                continue
+            prefix, _, name = path.rpartition(".")
+            try:
+                mine = amp.get_submodule(prefix)
+            except AttributeError:
+                continue
+            if name in mine._parameters:
+                self.links.append((mine, name, self.module.get_submodule(prefix)))
+        # The unit amp must not convert itself again from the unit in the middle of FSDP's
+        # forward (shape classes, modes), nor compare its parameters with the sharded ones.
+        amp.__dict__.pop("_graphamp_model", None)
+        amp.__dict__.pop("_graphamp_model_state", None)
+        self.amp = amp
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The unit's forward while its enclosing graph calls it: its converted graph, on the
+        parameters FSDP's pre-forward hook has just gathered."""
+        amp = self.amp
+        if self.module.training != amp.graphamp_info.training:
+            mode = "training" if amp.graphamp_info.training else "eval"
+            raise InputMismatchError(
+                f"the FSDP unit {self.path or '<root>'} was converted in {mode} mode and now runs in "
+                f"{'training' if self.module.training else 'eval'} mode (dropout and batch norm are part of "
+                "its graph). Way out: convert the model again in this mode."
+            )
+        for mine, name, owner in self.links:
+            mine._parameters[name] = owner._parameters[name]
+        # FSDP refills the gathered parameters in place without bumping their versions: no weight
+        # copy may outlive a call.
+        amp.refresh()
+        try:
+            return amp(*args, **kwargs)
+        except InputShapeError as e:
+            raise InputShapeError(
+                f"the FSDP unit {self.path or '<root>'} ({type(self.module).__name__}) was converted for the "
+                f"example's sizes, and these inputs need another conversion, which cannot run inside FSDP's "
+                f"forward ({e}). Way out: convert with an example of these sizes, pad inputs to the "
+                "example's, or torch.compile(model, backend=\"graphamp\")."
+            ) from e
+
+    def call(self, spec: pytree.TreeSpec, leaves: tuple) -> tuple:
+        """Call the unit as a module (FSDP's hooks run), its forward bound to its graph."""
+        args, kwargs = pytree.tree_unflatten(list(leaves), spec)
+        with _forward_bound(self.module, self.forward):
+            out = self.module(*args, **kwargs)
+        flat, out_spec = pytree.tree_flatten(out)
+        if out_spec != self.out_spec:
+            raise InputMismatchError(
+                f"the FSDP unit {self.path or '<root>'} returned a different structure than when it was "
+                f"converted: {out_spec} vs {self.out_spec}. Way out: convert again with inputs like these."
+            )
+        return tuple(flat)
+
+
+class FsdpUnitCall(torch.autograd.Function):
+    """The call of a nested sharded unit, recorded as one node while its enclosing unit is captured.
+
+    Capture keeps a custom Function whole (``graphamp.capture.functions``): its forward runs on fake
+    tensors under eager's autocast state, which gives the node eager's output dtypes, and the
+    graph calls ``apply`` at run time, which here calls the unit as a module.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, unit: _Unit, spec: pytree.TreeSpec, *leaves: Any) -> tuple:
+        args, kwargs = pytree.tree_unflatten(list(leaves), spec)
+        module = unit.module
+        out = type(module).forward(module, *args, **kwargs)  # the model's own forward, no hooks
+        flat, unit.out_spec = pytree.tree_flatten(out)
+        return tuple(flat)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # never runs: at run time the unit itself is called
+        raise RuntimeError("FsdpUnitCall is only recorded, never differentiated")
+
+    @classmethod
+    def apply(cls, unit: _Unit, spec: pytree.TreeSpec, *leaves: Any) -> tuple:  # type: ignore[override]
+        if _CONVERTING.get():
+            return super().apply(unit, spec, *leaves)
+        return unit.call(spec, leaves)
+
+
+def _stub(unit: _Unit, *args: Any, **kwargs: Any) -> Any:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    flat = FsdpUnitCall.apply(unit, spec, *leaves)
+    return pytree.tree_unflatten(list(flat), unit.out_spec)
+
+
+@contextlib.contextmanager
+def _forward_bound(module: nn.Module, forward: Any) -> Iterator[None]:
+    """``module.forward`` is ``forward`` for the duration (an instance attribute shadows the class's)."""
+    previous = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+
+
+@contextlib.contextmanager
+def _stubbed(units: list[_Unit]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for unit in units:
+            # Named as the model's forward, so that the captured graph's inputs are named as its arguments.
+            stub = functools.wraps(unit.module.forward)(functools.partial(_stub, unit))
+            stack.enter_context(_forward_bound(unit.module, stub))
+        yield
+
+
+@contextlib.contextmanager
+def _fsdp_hooks_off(units: list[nn.Module]) -> Iterator[None]:
+    """FSDP's forward hooks and its state_dict pre-hooks (which reshard; conversion reads the
+    state_dict) are not called for the duration: the parameters are unsharded already, and capture
+    runs on fake tensors. Other hooks stay."""
+    found = []
+    for module in units:
+        state = module._get_fsdp_state()
+        found += [(module._forward_pre_hooks, state._pre_forward_hook_handle),
+                  (module._forward_hooks, state._post_forward_hook_handle)]
+        for group in state._fsdp_param_groups:
+            found += [(m._state_dict_pre_hooks, h) for m, h in group._module_to_pre_save_state_dict_hook_handle.items()]
+    saved = []
+    for table, handle in found:
+        if handle is not None and handle.id in table:
+            saved.append((table, list(table.items())))
+            del table[handle.id]
+    try:
+        yield
+    finally:
+        for table, items in reversed(saved):
+            table.clear()
+            table.update(items)
+
+
+@contextlib.contextmanager
+def _converting() -> Iterator[None]:
+    token = _CONVERTING.set(True)
+    try:
+        yield
+    finally:
+        _CONVERTING.reset(token)
+
+
+def _nested(module: nn.Module, units: dict[int, _Unit], *, include_self: bool = False) -> list[_Unit]:
+    """The units nearest below ``module`` (itself, with ``include_self``, if it is one)."""
+    if include_self and id(module) in units:
+        return [units[id(module)]]
+    found = []
+
+    def walk(m: nn.Module) -> None:
+        for child in m.children():
+            if id(child) in units:
+                found.append(units[id(child)])
+            else:
+                walk(child)
+
+    walk(module)
+    return found
+
+
+def _check_units(units: list[tuple[str, nn.Module]]) -> None:
+    for path, module in units:
+        state = module._get_fsdp_state()
+        if len(getattr(state, "_modules", (module,))) > 1:
+            raise CaptureError(
+                f"graphamp converts each FSDP unit on its own, but {path or '<root>'} was sharded together "
+                "with other modules (fully_shard([a, b, ...])), whose forwards FSDP's hooks treat as one. "
+                "Way out: fully_shard each module on its own, or torch.compile(model, backend=\"graphamp\")."
+            )
+
+
+def _record_examples(model: nn.Module, units: list[nn.Module], args: tuple, kwargs: dict, spec: AmpSpec) -> dict[int, tuple]:
+    """Each unit's inputs in one eager autocast forward of the example (what its graph will get);
+    the model's buffers and the random state are restored after."""
+    from graphamp.probe import _state_restored
+
+    seen: dict[int, tuple] = {}
+
+    def record(module: nn.Module, a: tuple, kw: dict) -> None:
+        if id(module) not in seen:
+            seen[id(module)] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), (a, kw))
+
+    # Registered after FSDP's pre-hook (which is prepended): the inputs as the forward sees them.
+    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in units]
+    try:
+        with _state_restored(model), torch.no_grad(), ambient_autocast(spec.device_type, spec.dtype):
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> nn.Module:
+    """Convert a model holding FSDP2 units: each unit on its own, then ``model`` with its outermost
+    units as nested calls. Returns ``model``'s converted module (an AmpModule); its parameters are
+    the model's (sharded) parameters.
+
+    Every rank must call this together: it runs the example once (FSDP all-gathers) and gathers
+    every unit's parameters for the capture, then frees them again.
+    """
+    from graphamp.convert import _convert  # convert dispatches here
+
+    named = sharded_units(model)
+    _check_units(named)
+    modules = [m for _, m in named]
+    units = {id(m): _Unit(path, m) for path, m in named}
+    with torch.no_grad():  # the all-gathers' copies need no autograd record
+        examples = _record_examples(model, modules, args, kwargs, spec)
+    for unit in units.values():
+        if id(unit.module) not in examples:
+            raise CaptureError(
+                f"the FSDP unit {unit.path or '<root>'} ({type(unit.module).__name__}) did not run in the "
+                "example's forward, so graphamp has no example of its inputs to convert it with. Way out: "
+                "pass an example that runs every sharded module, or torch.compile(model, backend=\"graphamp\")."
+            )
+    for m in modules:
+        m.unshard()
+    try:
+        with _fsdp_hooks_off(modules), _converting():
+            for path, m in reversed(named):  # the units inside a unit first
+                unit = units[id(m)]
+                unit_args, unit_kwargs = examples[id(m)]
+                nested = _nested(m, units)
+                try:
+                    with _stubbed(nested):
+                        amp = _convert(m, unit_args, unit_kwargs, spec, check=check)
+                except GraphampError as e:
+                    raise _in_unit(e, unit) from e
+                _describe_unit_calls(amp)
+                unit.bind(amp, nested)
+            with _stubbed(_nested(model, units, include_self=True)):
+                top = _convert(model, args, kwargs, spec, check=check)
+            _describe_unit_calls(top)
+    finally:
+        for m in modules:
+            m.reshard()
+    _share_sharded_parameters(top, model)
+    top.meta[FSDP_META] = [unit.path for unit in units.values()]
+    return top
+
+
+def _describe_unit_calls(amp: nn.Module) -> None:
+    """Say in each nested unit's node what it is (capture recorded it as a kept Function)."""
+    from graphamp.node_info import peek
+    from graphamp.runtime import KeptFunction, apply_function
+
+    for node in amp.graph.find_nodes(op="call_function", target=apply_function):
+        kept = getattr(amp, node.args[0].target, None) if node.args and hasattr(node.args[0], "target") else None
+        record = peek(node)
+        if isinstance(kept, KeptFunction) and kept.function is FsdpUnitCall and record is not None:
+            unit = kept.template[0][0]
+            record.reason = (
+                f"the FSDP unit {unit.path or '<root>'} ({type(unit.module).__name__}), called as a module so that "
+                "FSDP's hooks gather its parameters and reduce-scatter its gradients; its forward runs its own graph"
+            )
+
+
+def _in_unit(error: GraphampError, unit: _Unit) -> GraphampError:
+    where = f"the FSDP unit {unit.path or '<root>'} ({type(unit.module).__name__})"
+    message = (
+        f"graphamp converts a sharded model unit by unit, and converting {where} failed: {error} "
+        "Way out for the sharded model: torch.compile(model, backend=\"graphamp\")."
+    )
+    try:
+        return type(error)(message)
+    except TypeError:
+        return CaptureError(message)
+
+
+def _share_sharded_parameters(amp: nn.Module, model: nn.Module) -> None:
+    """The converted module lists the model's parameters as they are outside a forward (sharded),
+    as the optimizer holds them; its graph reads none of them (the units' graphs do)."""
+    for path, param in model.named_parameters():
+        prefix, _, name = path.rpartition(".")
+        try:
+            owner = amp.get_submodule(prefix)
+        except AttributeError:
+            continue
+        if name in owner._parameters:
+            owner._parameters[name] = param
+    # Outside a forward FSDP holds the sharded parameters, inside it the gathered ones; the check
+    # that the model still holds the graph's parameters does not apply (see sharded_after_conversion).
+    amp.__dict__.pop("_graphamp_model_state", None)
+
+
+def sharded_after_conversion(amp: nn.Module) -> str | None:
+    """Why ``amp`` must not run: its model was sharded with ``fully_shard`` after ``graphamp.convert``
+    converted it (the graph reads the parameters from before sharding, so it would train nothing
+    and reduce no gradient); None if it may run. Cheap: no parameter is compared."""
+    if FSDP_META in getattr(amp, "meta", {}):
+        return None
+    model = amp.__dict__.get("_graphamp_model")
+    if model is None or not sharded_units(model):
+        return None
+    paths = [path or "<root>" for path, _ in sharded_units(model)]
+    return (
+        f"{type(model).__name__} was sharded with FSDP's fully_shard ({', '.join(paths[:4])}"
+        f"{' ...' if len(paths) > 4 else ''}) after graphamp converted it: the converted graph reads the "
+        "parameters from before sharding, so it would train nothing and reduce no gradient. Way out: shard "
+        "first, then convert (graphamp.convert or graphamp.TrainStep on the sharded model), or "
+        "torch.compile(model, backend=\"graphamp\")."
+    )
+
+
+def self_check(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, on_drift: str) -> Any:
+    """``convert``'s self-check for a model converted unit by unit: the example through ``amp`` and
+    through ``model`` under eager autocast, each with FSDP's hooks, from the same random state and
+    buffers; every output and every rank's gradient shard of the fixed loss must be bitwise equal.
+
+    The generic check takes gradients with ``torch.autograd.grad`` with respect to the parameters,
+    which FSDP's sharded parameters are not in the autograd graph of (the gathered ones are); here
+    ``backward`` runs as in training, so FSDP reduce-scatters into the shards' ``.grad`` (restored
+    after). Every rank must call it together; all ranks raise (or warn) if any rank differs.
+    """
+    import time
+    import warnings
+
+    import torch.distributed as dist
+
+    from graphamp.errors import PolicyDriftError, PolicyDriftWarning
+    from graphamp.self_check import (
+        SelfCheck,
+        _autocast_call,
+        _difference,
+        _fp32_interface,
+        _loss,
+        _same_start,
+        _Side,
+    )
+
+    start = time.perf_counter()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    saved = [p.grad for _, p in named]
+
+    def run(call: Any) -> _Side:
+        for _, p in named:
+            p.grad = None
+        with _same_start(model), torch.enable_grad():
+            out = call()
+            loss = _loss(out)
+            if loss.requires_grad:
+                loss.backward()
+        grads = {n: _local(p.grad) for n, p in named}
+        return _Side(pytree.tree_map_only(torch.Tensor, lambda t: _local(t.detach()), out), grads)
+
+    amp_args, amp_kwargs = _fp32_interface((args, kwargs)) if spec.keep_io_types else (args, kwargs)
+    try:
+        ref = run(lambda: _autocast_call(model, args, kwargs, spec))
+        got = run(lambda: amp(*amp_args, **amp_kwargs))
+    finally:
+        for (_, p), grad in zip(named, saved):
+            p.grad = grad
+    problem = _difference(got, ref, keep_io_types=spec.keep_io_types)
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([1 if problem else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not problem:
+            problem = "another rank's outputs or gradient shards differ"
+    seconds = time.perf_counter() - start
+    if not problem:
+        return SelfCheck(ok=True, grads=bool(named), seconds=seconds)
+    message = (
+        f"graphamp.convert's self-check: the {type(model).__name__} converted unit by unit for FSDP differs from "
+        f"eager torch.autocast({spec.device_type}, {spec.dtype}) + FSDP on the example: {problem}. Way out: report it "
+        "(it is a graphamp bug); meanwhile use torch.compile(model, backend=\"graphamp\") or eager torch.autocast; "
+        "self_check='warn' returns the module anyway."
+    )
+    if on_drift == "raise":
+        raise PolicyDriftError(message)
+    warnings.warn(message, PolicyDriftWarning, stacklevel=3)
+    return SelfCheck(ok=False, grads=bool(named), seconds=seconds, problem=problem)
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of a DTensor (a sharded gradient), else the tensor."""
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
