@@ -24,7 +24,7 @@ from torch.fx.graph_module import _forward_from_src
 
 from graphamp.capture import SIZE_CONDITIONS
 from graphamp.config import Config
-from graphamp.errors import InputMismatchError, InputShapeError, ModelChangedError
+from graphamp.errors import InputMismatchError, InputShapeError, InputStructureError, ModelChangedError
 from graphamp.spec import AmpSpec, autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes.fuse_encoder_layers import FUSED_WITHOUT_GRAD
@@ -47,6 +47,15 @@ _MODEL_STATE = "_graphamp_model_state"  # (type, first parameter): what the mode
 # How many other shape classes one converted module converts for before it refuses: each holds a
 # graph and costs a conversion (seconds), so inputs of ever new shapes should be padded instead.
 MAX_SHAPE_CLASSES = 8
+# Inputs a graph refuses but a conversion of their own may take: another shape class, or another
+# structure or non-tensor value (HF Trainer adds loss kwargs such as num_items_in_batch).
+_CONVERTIBLE = (InputShapeError, InputStructureError)
+# The model's methods an AmpModule passes through: they read or write the shared parameters and the
+# config, and never run the model's forward (HF PreTrainedModel's, as HF Trainer calls them).
+PASSED_METHODS = frozenset({
+    "save_pretrained", "push_to_hub", "get_input_embeddings", "get_output_embeddings", "num_parameters",
+    "floating_point_ops", "estimate_tokens", "get_memory_footprint",
+})
 _RECONVERTING = threading.Lock()
 _log = logging.getLogger("graphamp")
 
@@ -174,7 +183,7 @@ class AmpModule(GraphModule):
     def _call_classes(self, args: tuple, kwargs: dict) -> Any:
         try:
             return self._call_graph(args, kwargs)
-        except InputShapeError as e:
+        except _CONVERTIBLE as e:
             return self._call_shape_class(e, args, kwargs)
 
     def _for_mode(self, args: tuple, kwargs: dict) -> AmpModule:
@@ -216,7 +225,8 @@ class AmpModule(GraphModule):
         return variant
 
     def _converted(
-        self, model: nn.Module, spec: AmpSpec, training: bool, args: tuple, kwargs: dict, what: str, refused: str = ""
+        self, model: nn.Module, spec: AmpSpec, training: bool, args: tuple, kwargs: dict, what: str, refused: str = "",
+        error: type[Exception] = InputShapeError,
     ) -> AmpModule:
         """``model`` converted with ``spec`` in the given training mode, checked as convert checked
         this module (raising, or warning where convert warned)."""
@@ -229,7 +239,7 @@ class AmpModule(GraphModule):
             try:
                 variant = _convert(model, args, kwargs, spec)
             except Exception as failure:
-                raise InputShapeError(
+                raise error(
                     f"{refused}Converting {type(model).__name__} again for {what} failed: {type(failure).__name__}: "
                     f"{str(failure).strip().splitlines()[0][:300]} Way out: check that the model runs eagerly on "
                     "these inputs, in this mode."
@@ -297,26 +307,26 @@ class AmpModule(GraphModule):
                     plain = False
                     break
         if expected is not None and not plain and input_signature(args, kwargs) != expected:
-            raise InputMismatchError(
+            raise InputStructureError(
                 "these inputs differ in structure (positional count, keyword names, nesting) or in "
                 "non-tensor values from the example the graph was converted for, which it baked in: "
-                f"{describe_signature(input_signature(args, kwargs))} vs {describe_signature(expected)}. "
-                "Way out: pass the same kind of arguments, or convert again with an example like these."
+                f"{describe_signature(input_signature(args, kwargs))} vs {describe_signature(expected)}."
             )
         if info is not None and info.inference:
             with torch.no_grad():
                 return self._call_without_autocast(info, args, kwargs)
         return self._call_without_autocast(info, args, kwargs)
 
-    def _call_shape_class(self, refused: InputShapeError, args: tuple, kwargs: dict) -> Any:
-        """Run the module converted for these inputs' shape class, converting it on first use."""
+    def _call_shape_class(self, refused: InputShapeError | InputStructureError, args: tuple, kwargs: dict) -> Any:
+        """Run the module converted for these inputs' shape class (or structure), converting it on
+        first use."""
         variants = self.__dict__.setdefault(_VARIANTS, [])
         tried = 0
         while True:
             for variant in variants[tried:]:
                 try:
                     return variant._call_graph(args, kwargs)
-                except InputShapeError:
+                except _CONVERTIBLE:
                     tried += 1
             with _RECONVERTING:
                 if len(variants) == tried:  # else another thread converted one meanwhile: try it first
@@ -324,30 +334,32 @@ class AmpModule(GraphModule):
                     break
         return variant._call_graph(args, kwargs)
 
-    def _converted_for(self, refused: InputShapeError, args: tuple, kwargs: dict) -> AmpModule:
+    def _converted_for(self, refused: InputShapeError | InputStructureError, args: tuple, kwargs: dict) -> AmpModule:
         model, variants = self.__dict__.get(_MODEL), self.__dict__.setdefault(_VARIANTS, [])
-        shapes = _shapes(args, kwargs)
+        shapes = _shapes(args, kwargs) if isinstance(refused, InputShapeError) else "(another input structure)"
         if model is None:
-            raise InputShapeError(
-                f"{refused} This module cannot convert again for these shapes {shapes}: it holds no "
+            raise type(refused)(
+                f"{refused} This module cannot convert again for these inputs {shapes}: it holds no "
                 "reference to its model (it was saved by an older graphamp, or its model could not be "
-                "pickled with it). Way out: call graphamp.convert again with an example of this shape."
+                "pickled with it). Way out: call graphamp.convert again with an example like these inputs."
             ) from None
         if len(variants) >= MAX_SHAPE_CLASSES:
-            raise InputShapeError(
-                f"{refused} This module has already converted itself for {MAX_SHAPE_CLASSES} other shape "
-                f"classes, the most it holds; these inputs {shapes} would need one more. Way out: pad "
-                "inputs to a few fixed shapes, or convert with an example whose sizes the model's code "
-                "lets vary, or use torch.compile(model, backend=\"graphamp\")."
+            raise type(refused)(
+                f"{refused} This module has already converted itself for {MAX_SHAPE_CLASSES} other input "
+                f"classes (shapes, structures or non-tensor values), the most it holds; these inputs {shapes} "
+                "would need one more. Way out: pad inputs to a few fixed shapes and keep non-tensor arguments "
+                "fixed (or pass them as tensors), or convert with an example whose sizes the model's code lets "
+                "vary, or use torch.compile(model, backend=\"graphamp\")."
             ) from None
         spec = self.graphamp_info.spec()
         variant = self._converted(
-            model, spec, self.graphamp_info.training, args, kwargs, f"these shapes {shapes}", refused=f"{refused} "
+            model, spec, self.graphamp_info.training, args, kwargs, f"these inputs {shapes}", refused=f"{refused} ",
+            error=type(refused),
         )
         variants.append(variant)
         _log.log(
             logging.WARNING if len(variants) == 1 else logging.INFO,
-            "graphamp converted %s again for input shapes %s (shape class %d of at most %d besides the "
+            "graphamp converted %s again for inputs %s (input class %d of at most %d besides the "
             "example's), because %s",
             type(model).__name__, shapes, len(variants), MAX_SHAPE_CLASSES, refused,
         )
@@ -411,6 +423,29 @@ class AmpModule(GraphModule):
         """Set the training mode, as ``nn.Module.train``: the next call runs the graph converted in
         that mode (dropout, batch norm), converting it from the model on first use."""
         return super().train(mode)
+
+    def __getattr__(self, name: str) -> Any:
+        """Parameters, buffers and submodules as nn.Module finds them; then the model's public
+        attributes (``config``, ``generation_config``, ``main_input_name``) and the methods in
+        ``PASSED_METHODS`` (``save_pretrained``). Other methods of the model would run its own
+        unconverted code: an AttributeError says so."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get(_MODEL)
+            if model is None or name.startswith("_"):
+                raise
+        try:
+            value = getattr(model, name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object (and its model) has no attribute {name!r}") from None
+        if inspect.ismethod(value) and value.__self__ is model and name not in PASSED_METHODS:
+            raise AttributeError(
+                f"{type(model).__name__}.{name} is a method of the model, which the converted module does not pass "
+                "through: it would run the model's own unconverted code (no mixed precision). Way out: call "
+                f"model.{name}(...) on the model itself (under torch.autocast for mixed precision)."
+            )
+        return value
 
     def _graphamp_bind(self, model: nn.Module) -> None:
         """Keep ``model`` (the runtime calls this on load); see :func:`bind_model`."""

@@ -59,6 +59,12 @@ class InputShapeError(InputMismatchError):
     was loaded without its model, or it holds as many shape classes as it may)."""
 
 
+class InputStructureError(InputMismatchError):
+    """Inputs differ from the example in structure (positional count, keyword names, nesting) or in a
+    non-tensor value, which a converted graph bakes in; the module converts again for them, within
+    its bound on conversions, and raises this beyond it."""
+
+
 class DeviceMismatchError(GraphampError, ValueError):
     """The policy's device holds none of the model's floating tensors, so autocast would cast nothing."""
 

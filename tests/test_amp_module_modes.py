@@ -156,3 +156,16 @@ def test_model_class_swapped_by_a_wrapper_is_fine():
     amp = graphamp.convert(model, (x,))
     model.__class__ = type("Wrapped", (DropNorm,), {})
     assert torch.equal(amp(x), _eager(model, x))
+
+
+def test_the_models_public_attributes_and_safe_methods_pass_through(tmp_path):
+    model, args, kwargs = llama(hidden=32)
+    amp = graphamp.convert(model, args, kwargs)
+    assert amp.config is model.config and amp.main_input_name == "input_ids"
+    amp.save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").exists()
+    with pytest.raises(AttributeError, match="unconverted code"):
+        amp.generate  # noqa: B018 (the model's generate would run the eager model: refused)
+    with pytest.raises(AttributeError):
+        amp.no_such_attribute  # noqa: B018
+    assert not hasattr(amp, "_hf_hook")  # private names are never the model's

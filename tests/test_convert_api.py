@@ -382,11 +382,19 @@ class Flags(nn.Module):
         return out if extra is None else out + extra["bias"]
 
 
-def test_inputs_of_another_structure_or_constant_are_refused():
+def test_inputs_of_another_structure_or_constant_convert_again(caplog):
     x = _x()
-    amp = graphamp.convert(Flags(), (x,), {"scale": 2.0, "extra": {"bias": torch.ones(8)}})
+    model = Flags()
+    amp = graphamp.convert(model, (x,), {"scale": 2.0, "extra": {"bias": torch.ones(8)}})
     amp(_x(3), extra={"bias": torch.zeros(8)}, scale=2.0)  # keyword order and sizes may vary
-    with pytest.raises(graphamp.InputMismatchError, match="scale"):
-        amp(x, scale=3.0, extra={"bias": torch.ones(8)})  # a baked-in constant changed
-    with pytest.raises(graphamp.InputMismatchError, match="Way out"):
-        amp(x, scale=2.0, extra={"bias": torch.ones(8), "other": torch.ones(8)})  # silently ignored otherwise
+    for kwargs in ({"scale": 3.0, "extra": {"bias": torch.ones(8)}},  # a baked-in constant changed
+                   {"scale": 2.0, "extra": {"bias": torch.ones(8), "other": torch.ones(8)}},  # another structure
+                   {}):
+        with caplog.at_level("INFO", logger="graphamp"):
+            got = amp(x, **kwargs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(got, model(x, **kwargs))
+    assert len(amp.__dict__["_graphamp_variants"]) == 3 and "converted Flags again" in caplog.text
+    with pytest.raises(graphamp.InputStructureError, match="Way out"):
+        for scale in range(10, 20):
+            amp(x, scale=float(scale))
