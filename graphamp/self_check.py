@@ -247,6 +247,11 @@ def _first_divergence(
 
     if no_grad:  # verify runs both sides with grad, where they agree: it has nothing to locate
         return "", False
+    if not isinstance(amp, torch.fx.GraphModule):  # convert's dynamo fallback: graphs between graph breaks
+        return (
+            " (graphamp.verify locates nodes in one graph; this module is convert's dynamo fallback, the model "
+            "under torch.compile(backend=\"graphamp\") with graph breaks, whose Python between graphs runs eagerly)"
+        ), False
 
     try:
         with warnings.catch_warnings():
