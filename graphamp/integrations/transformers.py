@@ -1,0 +1,328 @@
+"""Hugging Face transformers: ``Trainer`` and ``generate()`` with graphamp's mixed precision.
+
+Both functions return a *view* of the model: an object of the model's own class that shares its
+parameters, buffers, submodules and config (nothing is copied; the model is not modified), whose
+``forward`` alone runs through graphamp. Everything Trainer and ``generate()`` look at is the
+model's own: ``isinstance(view, PreTrainedModel)`` (so ``Trainer.save_model`` writes
+``config.json``), ``forward``'s signature (Trainer keeps the dataset columns the model takes), its
+``accepts_loss_kwargs`` (Trainer passes ``num_items_in_batch``), its parameters in its own order
+(gradient clipping sums the norm in the same order), its submodules' types (weight decay skips
+norms as for the model), ``train()``/``eval()``, ``save_pretrained``, ``generation_config``.
+
+- :func:`prepare`: ``forward`` runs graphs converted by :func:`graphamp.convert`, one per training
+  mode and input structure, converted on first use from that call's inputs (a training graph, and
+  an eval graph at the first ``evaluate()``). Pass it to ``Trainer`` with ``bf16=True`` (or
+  ``fp16=True``): Trainer's run is the model under accelerate's ``torch.autocast``; the converted
+  graphs switch that autocast off and apply the same casts, so losses, gradients, parameters and
+  ``evaluate()`` are bitwise those of Trainer's own mixed-precision run. A converted graph cannot
+  hold a key/value cache: ``generate()`` with the cache raises :class:`graphamp.CaptureError`
+  naming the way out.
+- :func:`compile`: ``forward`` runs under ``torch.compile(backend="graphamp")`` inside
+  ``torch.autocast``, which follows the model's Python (a key/value cache included) through
+  dynamo: ``generate()`` with the cache, tokens and logits bitwise to eager autocast
+  ``generate()`` with ``options={"inner": "eager"}``. It also trains under Trainer (the route for
+  ``TrainingArguments(torch_compile_backend="graphamp")``, which accelerate refuses: see
+  :mod:`graphamp.integrations.accelerate`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import functools
+import threading
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from graphamp.backend.options import BackendOptions
+from graphamp.config import Config
+from graphamp.errors import CaptureError, InputMismatchError, OptionError
+from graphamp.spec import autocast_off, resolve_dtype
+
+try:
+    import transformers
+except ImportError as e:  # pragma: no cover - exercised only without the optional dependency
+    raise ImportError("graphamp.integrations.transformers needs transformers: pip install transformers") from e
+
+__all__ = ["MAX_CONVERSIONS", "compile", "prepare", "source_of"]
+
+# How many graphs (training mode x input structure) one prepared view converts before it refuses:
+# Trainer calls with one structure per mode, so more means inputs that change structure per call.
+MAX_CONVERSIONS = 8
+_CACHE_ARGUMENTS = ("cache", "past_key_values")
+_VIEW = "_graphamp_view"  # the view's state, in its __dict__
+# Module dicts a view gets its own copy of: its own hooks and top-level attributes, the model's children.
+_OWN_DICTS = (
+    "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+    "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def prepare(
+    model: nn.Module,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device_type: str | None = None,
+    config: Config | None = None,
+    self_check: str | bool = "raise",
+) -> nn.Module:
+    """The model, as a view whose ``forward`` runs graphs converted by :func:`graphamp.convert`.
+
+    Each (training mode, input structure) gets its graph on first use, converted from that call's
+    inputs with the model in that mode (a new shape class converts within the graph's module, as
+    :class:`graphamp.AmpModule` does). ``dtype`` None takes the dtype of an enclosing
+    ``torch.autocast`` at the first call (Trainer's ``bf16=True``/``fp16=True``), else autocast's
+    default for the device; a later call inside an autocast region of another dtype or cache
+    setting raises :class:`graphamp.OptionError`. The cache setting (``cache_enabled``) follows
+    the enclosing region too, unless ``config`` sets it.
+
+    Use it with ``transformers.Trainer(model=prepare(model), args=TrainingArguments(bf16=True, ...))``.
+
+    >>> import transformers
+    >>> cfg = transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+    ...                               num_attention_heads=2, intermediate_size=32)
+    >>> model = transformers.BertForSequenceClassification(cfg).eval()
+    >>> view = prepare(model)
+    >>> assert isinstance(view, transformers.BertForSequenceClassification) and view.bert is model.bert
+    >>> ids = torch.randint(0, 32, (2, 6))
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     expected = model(input_ids=ids).logits
+    ...     got = view(input_ids=ids).logits
+    >>> assert torch.equal(got, expected)
+    """
+    _check_model(model, "prepare")
+    dtype = None if dtype is None else resolve_dtype(dtype, device_type or "cpu")
+    if config is not None and not isinstance(config, Config):
+        raise OptionError(f"config must be a graphamp.Config, got {type(config).__name__}")
+    state = _Converted(model, dtype, device_type, config, self_check)
+    return _view(model, state)
+
+
+def compile(
+    model: nn.Module,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device_type: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    dynamic: bool | None = None,
+) -> nn.Module:
+    """The model, as a view whose ``forward`` runs under ``torch.compile(backend="graphamp")``.
+
+    Each call runs inside ``torch.autocast(device_type, dtype)`` (an enclosing region of the same
+    dtype is kept; another dtype raises :class:`graphamp.OptionError`), which is where the backend
+    reproduces eager autocast: dynamo traces the model's Python as eager autocast runs it, and the
+    compiled graphs switch the region off for their own casts. ``options`` are the backend's
+    (``{"inner": "eager"}`` for bitwise results; the default, inductor, matches to rounding).
+
+    For ``model.generate()`` with the key/value cache, and for Trainer in place of
+    ``TrainingArguments(torch_compile_backend="graphamp")``.
+    """
+    _check_model(model, "compile")
+    opts = BackendOptions.parse(options)
+    if opts.dtype is not None and dtype is not None and resolve_dtype(opts.dtype, "cpu") != resolve_dtype(dtype, "cpu"):
+        raise OptionError(f"dtype={dtype!r} and options['dtype']={opts.dtype!r} disagree; pass one of them")
+    dtype = dtype if dtype is not None else opts.dtype
+    device_type = device_type or opts.device_type or _device_type(model)
+    dtype = resolve_dtype(dtype, device_type)
+    state = _Compiled(model, dtype, device_type, dict(options or {}), dynamic)
+    return _view(model, state)
+
+
+def source_of(view: nn.Module) -> nn.Module:
+    """The model a view of :func:`prepare` or :func:`compile` was made from."""
+    state = view.__dict__.get(_VIEW)
+    if state is None:
+        raise TypeError(f"{type(view).__name__} is not a graphamp view; prepare() and compile() make one")
+    return state.model
+
+
+def _check_model(model: object, frontend: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"graphamp.integrations.transformers.{frontend} expects a torch.nn.Module, got {type(model).__name__}")
+    if _VIEW in model.__dict__:
+        raise OptionError(
+            f"this model is already a graphamp view ({type(model.__dict__[_VIEW]).__name__.strip('_').lower()}); "
+            f"Way out: call {frontend}() on the original model, graphamp.integrations.transformers.source_of(view)"
+        )
+    if "forward" in model.__dict__:
+        # accelerate's prepare (a Trainer run) replaces forward with one under torch.autocast.
+        raise OptionError(
+            f"this {type(model).__name__} has a forward of its own instance ({model.__dict__['forward']!r}), which "
+            "accelerate's prepare() or another wrapper set. Way out: pass the model as built or loaded "
+            "(accelerator.unwrap_model(model, keep_fp32_wrapper=False) removes accelerate's)."
+        )
+
+
+def _device_type(model: nn.Module) -> str:
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point():
+            return t.device.type
+    return "cpu"
+
+
+def _view(model: nn.Module, state: _Converted | _Compiled) -> nn.Module:
+    """A module of the model's class sharing its state (children, parameters, buffers, config),
+    with a forward of its own that runs ``state``."""
+    view = copy.copy(model)
+    for name in _OWN_DICTS:
+        if name in model.__dict__:
+            value = model.__dict__[name]
+            view.__dict__[name] = type(value)(value) if not isinstance(value, collections.OrderedDict) else collections.OrderedDict(value)
+    view.__dict__[_VIEW] = state
+    original = type(model).forward
+
+    @functools.wraps(original)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.__dict__[_VIEW](self, args, kwargs)
+
+    view.forward = types.MethodType(forward, view)
+    return view
+
+
+@contextlib.contextmanager
+def _training_as(model: nn.Module, training: bool) -> Iterator[None]:
+    """``model`` (every submodule) in ``training`` mode for the duration, then as it was."""
+    saved = [(m, m.training) for m in model.modules()]
+    for m, _ in saved:
+        m.training = training
+    try:
+        yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
+
+
+def _ambient(device_type: str) -> tuple[torch.dtype, bool] | None:
+    """The enclosing autocast region's (dtype, cache_enabled) on ``device_type``, or None."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled()
+
+
+def _uses_cache(kwargs: dict) -> bool:
+    """Whether a call asks for a key/value cache (generate() passes use_cache=True)."""
+    # transformers 5 names the cache argument cache=, earlier versions past_key_values=.
+    return any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS) or kwargs.get("use_cache") is True
+
+
+def _cache_error(model: nn.Module) -> CaptureError:
+    return CaptureError(
+        f"this {type(model).__name__} was called with a key/value cache (cache= or past_key_values=, or use_cache=True as "
+        "generate() does), and a graph converted by graphamp.convert cannot hold a Hugging Face cache: it is "
+        "an object whose tensors change size at every step. Way out: generate with "
+        "graphamp.integrations.transformers.compile(model).generate(...) (torch.compile(backend='graphamp') follows the "
+        "cache through dynamo), or call this view with use_cache=False (training and evaluation do: Trainer sets "
+        "config.use_cache = False)."
+    )
+
+
+class _Converted:
+    """A prepared view's state: the converted graphs by (training mode, input structure)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None, device_type: str | None, config: Config | None, self_check: str | bool) -> None:
+        self.model, self.dtype, self.device_type, self.config, self.self_check = model, dtype, device_type, config, self_check
+        self.graphs: dict[Any, nn.Module] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, view: nn.Module, args: tuple, kwargs: dict) -> Any:
+        from graphamp.emit import input_signature
+
+        device_type = self.device_type or _device_type(self.model)
+        ambient = _ambient(device_type)
+        key = (view.training, input_signature(args, kwargs))
+        amp = self.graphs.get(key)
+        if amp is None:
+            if _uses_cache(kwargs):
+                raise _cache_error(self.model)
+            with self.lock:
+                amp = self.graphs.get(key) or self._convert(view.training, args, kwargs, device_type, ambient)
+                self.graphs[key] = amp
+        self._check_ambient(amp, ambient)
+        return amp(*args, **kwargs)
+
+    def _convert(self, training: bool, args: tuple, kwargs: dict, device_type: str, ambient: tuple[torch.dtype, bool] | None) -> nn.Module:
+        import graphamp
+
+        if len(self.graphs) >= MAX_CONVERSIONS:
+            raise InputMismatchError(
+                f"this prepared {type(self.model).__name__} has converted {MAX_CONVERSIONS} graphs (one per training mode "
+                "and input structure: keyword names, nesting, non-tensor values), the most it holds; this call "
+                "would need one more. Way out: call it with the same keywords and flags each time."
+            )
+        dtype, config = self.dtype, self.config or Config()
+        if ambient is not None:
+            dtype = dtype or ambient[0]
+            if self.config is None:
+                config = Config(cache_enabled=ambient[1])
+        # Conversion runs the model (capture, the self-check) from the caller's random state and
+        # restores it, so that the call after draws the dropout masks eager would.
+        rng_devices = [torch.device(device_type, torch.get_device_module(device_type).current_device())] if device_type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices), autocast_off(), torch.enable_grad(), _training_as(self.model, training):
+            return graphamp.convert(
+                self.model, args, kwargs, dtype=dtype, device_type=device_type, config=config, self_check=self.self_check
+            )
+
+    @staticmethod
+    def _check_ambient(amp: nn.Module, ambient: tuple[torch.dtype, bool] | None) -> None:
+        info = getattr(amp, "graphamp_info", None)
+        if ambient is None or info is None:
+            return
+        if ambient[0] != info.dtype:
+            raise OptionError(
+                f"this call runs inside torch.autocast(dtype={ambient[0]}), but the view's graph was converted for "
+                f"{info.dtype}, whose casts it would apply instead. Way out: prepare(model, dtype={ambient[0]}) "
+                "(or dtype=None, which takes the enclosing region's), or train with the matching Trainer flag "
+                "(bf16=True for torch.bfloat16, fp16=True for torch.float16)."
+            )
+        if info.config.cache_enabled is not None and ambient[1] != info.config.cache_enabled:
+            raise OptionError(
+                f"this call runs inside torch.autocast(cache_enabled={ambient[1]}), but the view's graph was converted "
+                f"with cache_enabled={info.config.cache_enabled}, whose weight casts round gradients differently. "
+                "Way out: prepare(model, config=graphamp.Config(cache_enabled=...)) matching the region."
+            )
+
+
+class _Compiled:
+    """A compiled view's state: the model's forward under torch.compile(backend="graphamp")."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device_type: str, options: dict, dynamic: bool | None) -> None:
+        self.model, self.dtype, self.device_type, self.options, self.dynamic = model, dtype, device_type, options, dynamic
+        self.compiled: Any = None
+
+    def __call__(self, view: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self.compiled is None:
+            forward = type(self.model).forward.__get__(view)
+            self.compiled = torch.compile(forward, backend="graphamp", options=self.options or None, dynamic=self.dynamic)
+        ambient = _ambient(self.device_type)
+        if ambient is not None and ambient[0] != self.dtype:
+            raise OptionError(
+                f"this call runs inside torch.autocast(dtype={ambient[0]}), but the view compiles for {self.dtype}. "
+                f"Way out: compile(model, dtype={ambient[0]}), or call it outside that region."
+            )
+        region = contextlib.nullcontext() if ambient is not None else torch.autocast(self.device_type, dtype=self.dtype)
+        with region:
+            try:
+                return self.compiled(*args, **kwargs)
+            except AssertionError as e:
+                if "Guard failed on the same frame it was created" not in str(e) or not _holds_cache(args, kwargs):
+                    raise
+                raise CaptureError(
+                    f"torch.compile(backend='graphamp') could not compile this {type(self.model).__name__} step with its "
+                    "key/value cache: running the frame eagerly to observe it (grouped key/value heads) advanced the "
+                    "cache, and dynamo's guards then saw it one step ahead. Way out: generate under eager autocast "
+                    "(with torch.autocast(...): model.generate(...)), which is the reference this would equal, or pass "
+                    "use_cache=False."
+                ) from e
+
+
+def _holds_cache(args: tuple, kwargs: dict) -> bool:
+    cache_type = getattr(transformers, "Cache", None)
+    return cache_type is not None and any(isinstance(v, cache_type) for v in pytree.tree_leaves((args, kwargs)))
