@@ -1,0 +1,348 @@
+"""PyTorch Lightning: ``Trainer(plugins=[GraphampPrecision("bf16-mixed")])``, bitwise to ``precision="bf16-mixed"``.
+
+Lightning's ``MixedPrecision`` plugin runs every step (``training_step``, ``validation_step``, ...)
+under ``torch.autocast(device, dtype, cache_enabled=False)``. :class:`GraphampPrecision` keeps that
+region and everything else Lightning does (the loss under autocast, ``GradScaler`` for
+``"16-mixed"``, gradient clipping, optimizers, hooks, logging, checkpoints), and runs the model's
+forward as a graph converted by :func:`graphamp.convert` on the first batch, with
+``Config(cache_enabled=False)``: Lightning's recipe exactly, so losses, gradients and parameters are
+bitwise those of ``precision="bf16-mixed"`` (or ``"16-mixed"``).
+
+Splitting the step this way is exact because, without autocast's cache, every cast is local to the
+op that makes it: the forward's casts and the loss's casts never share a tensor.
+
+For the duration of each step the converted module's ``forward`` (the LightningModule's own, or the
+submodule named by ``module=``) is bound to the converted graph, one per training mode (``train()``
+for training steps, ``eval()`` for validation, test and predict), converted on first use and
+checked against eager autocast on that batch (``self_check``). Outside the steps the model is
+untouched.
+
+Validation, test and predict run without grad, where eager sometimes takes another kernel than any
+traced graph (``nn.MultiheadAttention``'s fused inference kernel in eval mode). Where the
+conversion's self-check finds such a difference, those calls run the model eagerly under the
+step's autocast, as Lightning does, with one ``PolicyDriftWarning`` saying so: the numbers stay
+Lightning's, only the speed-up is lost there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from graphamp.config import Config
+from graphamp.errors import OptionError, PolicyDriftWarning
+from graphamp.policy import DEVICE_TYPES
+from graphamp.self_check import SELF_CHECK_META
+
+try:
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins.precision import MixedPrecision
+except ImportError as e:  # pragma: no cover - exercised only without the optional dependency
+    raise ImportError(
+        "graphamp.integrations.lightning needs PyTorch Lightning: pip install pytorch-lightning"
+    ) from e
+
+__all__ = ["GraphampPrecision"]
+
+_PRECISIONS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_SELF_CHECKS = ("raise", "warn", "off")
+_NO_GRAD_ONLY = "under torch.no_grad"  # how convert's self-check words a difference only without grad
+
+
+def _precision_error(precision: object) -> OptionError:
+    if precision in ("32", "32-true", 32, "64", "64-true", 64):
+        way_out = f"train in full precision with Trainer(precision={precision!r}) and no graphamp plugin"
+    elif precision in ("bf16-true", "16-true", "bf16", "16", 16, "transformer-engine", "transformer-engine-float16"):
+        way_out = (
+            f"Trainer(precision={precision!r}) without this plugin (graphamp reproduces autocast, which keeps "
+            "weights in fp32), or GraphampPrecision('bf16-mixed') / GraphampPrecision('16-mixed') for mixed precision"
+        )
+    else:
+        way_out = "GraphampPrecision('bf16-mixed'), or GraphampPrecision('16-mixed') for fp16 with a GradScaler"
+    return OptionError(
+        f"GraphampPrecision(precision={precision!r}): graphamp converts autocast's mixed precision, which "
+        f"Lightning names 'bf16-mixed' and '16-mixed'. Way out: {way_out}."
+    )
+
+
+class GraphampPrecision(MixedPrecision):
+    """Lightning's ``MixedPrecision`` with the model's forward converted by graphamp.
+
+    Args:
+        precision: ``"bf16-mixed"`` or ``"16-mixed"`` (fp16 with a ``torch.amp.GradScaler``, also on
+            CPU, where ``Trainer(precision="16-mixed")`` itself falls back to bf16).
+        device: the autocast device, ``"cpu"`` or ``"cuda"``; None takes the LightningModule's.
+        scaler: a ``torch.amp.GradScaler`` of your own for ``"16-mixed"``; None makes one.
+        module: the qualified name of the submodule ``training_step`` calls (``"model"`` for
+            ``self.model(x)``); None converts the LightningModule's own ``forward`` (``self(x)``).
+        config: a :class:`graphamp.Config` (op overrides, modules kept in fp32). Its
+            ``cache_enabled`` is set to False, as Lightning runs autocast.
+        self_check: as :func:`graphamp.convert`'s: on each conversion, the converted module and
+            eager autocast run that batch once more and must agree bitwise ("raise", "warn", "off").
+
+    Attributes:
+        converted: the converted modules by training mode (True for ``train()``), made on first
+            use in each ``fit``/``validate``/``test``/``predict`` and kept after it for inspection.
+
+    >>> import pytorch_lightning as pl
+    >>> class Lit(pl.LightningModule):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    ...     def forward(self, x):
+    ...         return self.net(x)
+    ...     def training_step(self, batch, i):
+    ...         x, y = batch
+    ...         return nn.functional.mse_loss(self(x), y)
+    ...     def configure_optimizers(self):
+    ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+    >>> data = torch.utils.data.TensorDataset(torch.randn(8, 8), torch.randn(8, 1))
+    >>> plugin = GraphampPrecision("bf16-mixed")
+    >>> trainer = pl.Trainer(accelerator="cpu", max_steps=2, plugins=[plugin], logger=False,
+    ...                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    >>> trainer.fit(Lit(), torch.utils.data.DataLoader(data, batch_size=4))
+    >>> assert list(plugin.converted) == [True]
+    """
+
+    def __init__(
+        self,
+        precision: str = "bf16-mixed",
+        device: str | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        module: str | None = None,
+        config: Config | None = None,
+        self_check: str = "raise",
+    ) -> None:
+        if not isinstance(precision, str) or precision not in _PRECISIONS:
+            raise _precision_error(precision)
+        if device is not None and device not in DEVICE_TYPES:
+            raise OptionError(
+                f"GraphampPrecision(device={device!r}): graphamp has autocast policies for {DEVICE_TYPES}. "
+                f"Way out: Trainer(precision={precision!r}) without this plugin on {device!r}."
+            )
+        if scaler is not None and precision == "bf16-mixed":
+            raise OptionError(
+                "GraphampPrecision('bf16-mixed') got a GradScaler: bf16 needs no loss scaling, and Lightning's "
+                "bf16-mixed uses none. Way out: drop scaler=, or use GraphampPrecision('16-mixed', scaler=...)."
+            )
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise OptionError(f"GraphampPrecision(scaler=...) must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if module is not None and not isinstance(module, str):
+            raise OptionError(
+                f"GraphampPrecision(module=...) is the qualified name of a submodule, such as 'model', got "
+                f"{type(module).__name__}"
+            )
+        if config is not None and not isinstance(config, Config):
+            raise OptionError(f"GraphampPrecision(config=...) must be a graphamp.Config, got {type(config).__name__}")
+        if self_check not in _SELF_CHECKS:
+            raise OptionError(f"GraphampPrecision(self_check={self_check!r}) is not one of {_SELF_CHECKS}")
+        # MixedPrecision makes the 16-mixed scaler for its device; with device=None, connect() makes
+        # it again once the model's device is known.
+        super().__init__(precision, device or "cpu", scaler)
+        self._device_given = device
+        self._scaler_given = scaler is not None
+        self.dtype = _PRECISIONS[precision]
+        self.module_name = module
+        self.config = dataclasses.replace(config or Config(), cache_enabled=False)
+        self.self_check = self_check
+        self.converted: dict[bool, nn.Module] = {}
+        self._lightning_module: pl.LightningModule | None = None
+        self._target: nn.Module | None = None
+        self._calls = 0
+        self._busy = False
+        self._warned: set[bool] = set()
+
+    def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> tuple[nn.Module, list, list]:
+        if not isinstance(model, pl.LightningModule):
+            raise OptionError(
+                f"GraphampPrecision runs on a single device (the strategy handed it a {type(model).__name__}, not "
+                "the LightningModule). Way out: Trainer(precision='bf16-mixed') for this strategy, or "
+                "graphamp.TrainStep, which converts the model and loss under DistributedDataParallel."
+            )
+        self._lightning_module = model
+        self._target = self._find_target(model)
+        self.converted.clear()  # a new fit/validate/...: convert this model afresh
+        device = self._device_given or model.device.type
+        if device not in DEVICE_TYPES:
+            raise OptionError(
+                f"the LightningModule is on {device!r}, where graphamp has no autocast policy ({DEVICE_TYPES}). "
+                f"Way out: Trainer(precision={self.precision!r}) without GraphampPrecision."
+            )
+        if self.precision == "16-mixed" and not self._scaler_given and device != self.device:
+            self.scaler = torch.amp.GradScaler(device=device)
+        self.device = device
+        return super().connect(model, optimizers, lr_schedulers)
+
+    def _find_target(self, model: pl.LightningModule) -> nn.Module:
+        if not self.module_name:
+            return model
+        try:
+            return model.get_submodule(self.module_name)
+        except AttributeError:
+            children = ", ".join(repr(n) for n, _ in model.named_children()) or "none"
+            raise OptionError(
+                f"GraphampPrecision(module={self.module_name!r}): {type(model).__name__} has no such submodule. "
+                f"Way out: name the submodule training_step calls (its children: {children}), or module=None for "
+                "the LightningModule's own forward."
+            ) from None
+
+    @contextlib.contextmanager
+    def train_step_context(self) -> Iterator[None]:
+        before = self._calls
+        with super().train_step_context(), self._routed():
+            yield
+        if True not in self.converted and self._calls == before:
+            raise self._nothing_converted()
+
+    @contextlib.contextmanager
+    def val_step_context(self) -> Iterator[None]:
+        with super().val_step_context(), self._routed():
+            yield
+
+    @contextlib.contextmanager
+    def test_step_context(self) -> Iterator[None]:
+        with super().test_step_context(), self._routed():
+            yield
+
+    @contextlib.contextmanager
+    def predict_step_context(self) -> Iterator[None]:
+        with super().predict_step_context(), self._routed():
+            yield
+
+    @contextlib.contextmanager
+    def _routed(self) -> Iterator[None]:
+        """Bind the target's ``forward`` to its converted graph for the duration of one step."""
+        target = self._target
+        if target is None:  # not connected (a step run outside Trainer.fit/validate/...)
+            yield
+            return
+        previous = target.__dict__.get("forward")  # an instance-level forward of the user's, if any
+        eager = previous if previous is not None else type(target).forward.__get__(target)
+
+        @functools.wraps(eager)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            # Conversion, its self-check and a shape class's conversion call the model: eagerly.
+            if self._busy:
+                return eager(*args, **kwargs)
+            self._calls += 1
+            self._busy = True
+            try:
+                amp = self._converted_for(target, previous, args, kwargs)
+                if not torch.is_grad_enabled() and self._eager_without_grad(amp, target):
+                    return eager(*args, **kwargs)  # under the step's autocast: Lightning's own program
+                return amp(*args, **kwargs)
+            finally:
+                self._busy = False
+
+        target.forward = forward
+        try:
+            yield
+        finally:
+            if previous is None:
+                del target.forward
+            else:
+                target.forward = previous
+
+    def _converted_for(self, target: nn.Module, previous: Any, args: tuple, kwargs: dict) -> nn.Module:
+        amp = self.converted.get(target.training)
+        if amp is not None:
+            return amp
+        import graphamp
+
+        # Tracing must see the model's own forward, and a step under inference_mode (validation)
+        # hands in inference tensors, which a conversion (capture, self-check with grad) cannot use.
+        routed = target.__dict__.pop("forward")
+        if previous is not None:
+            target.forward = previous
+        try:
+            with (
+                torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]),
+                _same_containers(self._lightning_module or target), warnings.catch_warnings(record=True) as caught,
+            ):
+                warnings.simplefilter("always")
+                ex_args, ex_kwargs = pytree.tree_map(_normal_tensor, (args, kwargs))
+                amp = graphamp.convert(
+                    target, ex_args, ex_kwargs, dtype=self.dtype, device_type=self.device, config=self.config,
+                    self_check=self.self_check,
+                )
+        finally:
+            target.forward = routed
+        for w in caught:
+            # A difference only without grad is the plugin's to handle (_eager_without_grad).
+            if not (issubclass(w.category, PolicyDriftWarning) and _NO_GRAD_ONLY in str(w.message)):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self.converted[target.training] = amp
+        return amp
+
+    def _eager_without_grad(self, amp: nn.Module, target: nn.Module) -> bool:
+        """Whether calls without grad (validation, test, predict) run the model eagerly: its self-check
+        found that without grad eager takes another kernel path than the graph (a fused inference
+        kernel such as nn.MultiheadAttention's), so the graph would not give Lightning's numbers."""
+        check = amp.meta.get(SELF_CHECK_META)
+        problem = check.get("problem", "") if isinstance(check, dict) else getattr(check, "problem", "")
+        if not problem.startswith(_NO_GRAD_ONLY):
+            return False
+        if target.training not in self._warned:
+            self._warned.add(target.training)
+            mode = "training" if target.training else "eval"
+            warnings.warn(
+                f"GraphampPrecision: {type(target).__name__}'s calls without grad in {mode} mode (validation, "
+                f"test, predict) run in eager autocast, as precision={self.precision!r} runs them: without grad "
+                f"eager takes another kernel path than graphamp's graph ({problem[:200]}). Steps with grad run "
+                "the converted graph. Results are Lightning's either way.",
+                PolicyDriftWarning,
+                stacklevel=2,
+            )
+        return True
+
+    def _nothing_converted(self) -> OptionError:
+        model = self._lightning_module
+        name = type(model).__name__ if model is not None else "the LightningModule"
+        what = f"{name}.{self.module_name}" if self.module_name else f"{name}.forward (self(...))"
+        children = ", ".join(repr(n) for n, _ in model.named_children()) if model is not None else ""
+        return OptionError(
+            f"GraphampPrecision converts {what}, but training_step did not call it: the step ran in eager "
+            f"autocast and nothing was converted. Way out: GraphampPrecision(module=...) naming the submodule "
+            f"training_step calls (children: {children or 'none'}), or call self(...) in training_step."
+        )
+
+
+@contextlib.contextmanager
+def _same_containers(model: nn.Module) -> Iterator[None]:
+    """Keep the model's list, dict and set attributes the same objects across a conversion.
+
+    torch.export (non-strict) restores module attributes after tracing by assigning copies, so a
+    step's ``self.outputs.append(self(x))`` (the list looked up before the call) would append to a
+    list the module no longer holds. The originals are put back, holding what export restored.
+    """
+    kept = [
+        (m, key, value) for m in model.modules() for key, value in vars(m).items() if type(value) in (list, dict, set)
+    ]
+    try:
+        yield
+    finally:
+        for m, key, value in kept:
+            now = m.__dict__.get(key)
+            if now is value or type(now) is not type(value):
+                continue
+            if isinstance(value, list):
+                value[:] = now
+            else:
+                value.clear()
+                value.update(now)
+            m.__dict__[key] = value
+
+
+def _normal_tensor(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_inference():
+        return value.clone()
+    return value
