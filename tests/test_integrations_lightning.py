@@ -95,10 +95,11 @@ def _loader() -> torch.utils.data.DataLoader:
 
 def _fit(model: pl.LightningModule, *, validate: bool = False, **trainer_kwargs) -> pl.LightningModule:
     pl.seed_everything(0, verbose=False)
+    trainer_kwargs.setdefault("gradient_clip_val", 1.0)
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=5, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+        accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=2 if validate else 0, val_check_interval=3 if validate else None, num_sanity_val_steps=1 if validate else 0,
+        limit_val_batches=2 if validate else 0, val_check_interval=3 if validate else None, num_sanity_val_steps=0,
         **trainer_kwargs,
     )
     trainer.fit(model, _loader(), _loader() if validate else None)
@@ -188,3 +189,70 @@ def test_config_is_kept_and_runs_uncached() -> None:
     plugin = GraphampPrecision("16-mixed", config=Config(fp32_modules=("head",)))
     assert plugin.config.cache_enabled is False and plugin.config.fp32_modules == ("head",)
     assert plugin.dtype is torch.float16 and isinstance(plugin.scaler, torch.amp.GradScaler)
+
+
+class CausalLM(pl.LightningModule):
+    """A tiny Hugging Face GPT-2 from a config (random weights, dropout on): the model returns a
+    ModelOutput, training_step shifts the labels and computes the loss under Lightning's autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        transformers.logging.set_verbosity_error()
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=WIDTH, n_layer=2, n_head=2, use_cache=False)
+        self.model = transformers.GPT2LMHeadModel(cfg)
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        ids, _ = batch
+        logits = self(ids)
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_transformers_model_bitwise_to_lightning() -> None:
+    ref = _fit(CausalLM(), precision="bf16-mixed")
+    plugin = GraphampPrecision("bf16-mixed")
+    got = _fit(CausalLM(), plugins=[plugin])
+    assert len(got.losses) == 5 and all(torch.equal(a, b) for a, b in zip(got.losses, ref.losses, strict=True))
+    assert _same_params(got, ref)
+    assert isinstance(plugin.converted[True], AmpModule)
+
+
+class Manual(Wrapped):
+    """Manual optimization: manual_backward (scaled for 16-mixed) and the optimizer stepped by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple, batch_idx: int) -> None:
+        opt = self.optimizers()
+        ids, target = batch
+        loss = nn.functional.cross_entropy(self.model(ids).reshape(-1, VOCAB), target.reshape(-1))
+        self.losses.append(loss.detach().clone())
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=1.0)
+        opt.step()
+
+
+def test_manual_optimization_with_a_grad_scaler_bitwise_to_lightning() -> None:
+    ref = _fit(Manual(), plugins=[MixedPrecision("16-mixed", "cpu")], gradient_clip_val=None)
+    got = _fit(Manual(), plugins=[GraphampPrecision("16-mixed", module="model")], gradient_clip_val=None)
+    assert len(got.losses) == 5 and all(torch.equal(a, b) for a, b in zip(got.losses, ref.losses, strict=True))
+    assert _same_params(got, ref)
+
+
+def test_a_wrapped_model_is_refused() -> None:
+    # Multi-device strategies hand the plugin their wrapper (DistributedDataParallel, ...).
+    with pytest.raises(OptionError, match="single device.*Way out"):
+        GraphampPrecision("bf16-mixed").connect(nn.Linear(2, 2), [], [])
