@@ -6,6 +6,7 @@ in mixed precision with no runtime autocast.
 """
 
 from graphamp.capture.dynamo import DynamoAmpModule
+from graphamp.compiled import CompiledAmpModule, CompileError, CompileFallbackWarning, Drift
 from graphamp.config import Config
 from graphamp.convert import convert
 from graphamp.emit import AmpInfo, AmpModule
@@ -45,8 +46,12 @@ __all__ = [
     "BannedOpError",
     "CaptureError",
     "Category",
+    "CompileError",
+    "CompileFallbackWarning",
+    "CompiledAmpModule",
     "Config",
     "DeviceMismatchError",
+    "Drift",
     "DynamoAmpModule",
     "GraphampError",
     "InputMismatchError",

@@ -252,6 +252,12 @@ class TrainStep:
             and eager autocast run that batch once more (same random state, buffers restored) and
             the loss and every parameter gradient must be bitwise equal; "raise" (default),
             "warn" or "off".
+        compile: run the converted model-and-loss (forward and backward) through AOTAutograd and
+            inductor, and the optimizer's step compiled too
+            (:class:`graphamp.compiled.CompiledOptimizerStep`; not a ``fused=True`` optimizer,
+            which runs its own kernel). Faster; no longer bitwise equal to the eager loop (inductor
+            rounds its fused kernels its own way, dropout draws from inductor's generator). The
+            self-check still checks the converted graph, uncompiled. The first call compiles.
 
     Attributes:
         module: the converted model+loss (an :class:`AmpModule`), after the first call.
@@ -294,8 +300,11 @@ class TrainStep:
         accumulate: int = 1,
         config: Config | None = None,
         self_check: str | bool = "raise",
+        compile: bool = False,
     ) -> None:
         _check_args(model, loss_fn, optimizer, max_grad_norm, accumulate, config)
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be True or False, got {compile!r}")
         self.on_drift = check_self_check(self_check)
         self.model = model
         self.inner = model.module if isinstance(model, DistributedDataParallel) else model
@@ -316,6 +325,9 @@ class TrainStep:
         # Graph mode selects only once the optimizer state exists (or a step has been applied).
         self._applied = False
         self._found_inf: torch.Tensor | None = None
+        self.compile = compile
+        self._compiled: nn.Module | None = None  # the compiled model-and-loss, made on first use
+        self._compiled_step: Any = None  # the compiled optimizer step (CompiledOptimizerStep)
 
     @property
     def last_step_skipped(self) -> bool:
@@ -355,7 +367,12 @@ class TrainStep:
             self.calls += 1
             self.stepped = last
             if last:
-                self._step()
+                if self.compile and self._compiled_step is None:
+                    from graphamp.compiled import CompiledOptimizerStep
+
+                    self._compiled_step = CompiledOptimizerStep(self.optimizer)
+                with self._compiled_step.bound() if self.compile else contextlib.nullcontext():
+                    self._step()
                 self.steps += 1
             return loss.detach()
 
@@ -374,6 +391,12 @@ class TrainStep:
 
     def _loss(self, args: tuple, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         module = self.module
+        if self.compile:
+            if self._compiled is None:
+                from graphamp.compiled import compiled_for_training
+
+                self._compiled = compiled_for_training(module)
+            module = self._compiled
         if isinstance(self.model, DistributedDataParallel):
             with _forward_through(self.inner, lambda *a, **kw: module(a, kw, target)):
                 loss = self.model(*args, **kwargs)

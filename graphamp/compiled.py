@@ -1,0 +1,453 @@
+"""``convert(..., compile=True)``: graphamp's graph, with its casts, through AOTAutograd and inductor.
+
+A converted :class:`~graphamp.AmpModule` runs op by op. On a CPU that computes bf16 natively,
+``torch.compile`` + autocast beats it, because inductor fuses the elementwise work around the
+matmuls. Dynamo traces an ``AmpModule`` whole (it runs its traceable code: no graph break), so the
+compiled path is the converted module handed to ``torch.compile`` with autocast off: every cast is
+graphamp's, and inductor fuses them into its kernels. With ``inference=True`` inductor's freezing
+constant-folds the weights, which the converted graph already holds in low precision, and prepacks
+them for oneDNN.
+
+It is opt-in and not bitwise: inductor computes fused elementwise chains, reductions (layer_norm,
+softmax) and bf16 roundings its own way. :attr:`CompiledAmpModule.drift` records, on the example,
+the largest difference from eager autocast; :func:`measure_drift` measures it on other inputs.
+A failure to compile at conversion raises :class:`CompileError`; a later one (dynamo recompiling
+for new inputs) warns :class:`CompileFallbackWarning` and runs the converted module uncompiled,
+which is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from graphamp.emit import AmpModule
+from graphamp.errors import GraphampError, InputMismatchError
+from graphamp.spec import autocast_off
+
+__all__ = ["CompileError", "CompileFallbackWarning", "CompiledAmpModule", "CompiledOptimizerStep", "Drift", "compile_converted", "compiled_for_training", "measure_drift"]
+
+DRIFT_META = "graphamp.drift"
+# Ops whose values come from a random generator: inductor draws them from its own, so a compiled
+# training forward with dropout cannot be compared value by value with eager.
+_RANDOM_OPS = ("dropout", "native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like", "randint", "randperm", "multinomial", "normal", "uniform")
+
+
+class CompileError(GraphampError, RuntimeError):
+    """``compile=True``: inductor (or dynamo) could not compile the converted module."""
+
+
+class CompileFallbackWarning(UserWarning):
+    """A compiled module could not compile for some inputs and ran its converted graph uncompiled."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Drift:
+    """How far a compiled module's outputs (and gradients) are from eager autocast's, on one input.
+
+    ``max_abs`` is the largest absolute difference over every floating output; ``max_rel`` the
+    largest difference relative to the largest magnitude of that output in eager; ``grads_max_abs``
+    and ``grads_max_rel`` the same over parameter gradients of verify's fixed loss (None when not
+    compared). ``bitwise`` is True when every compared value is equal. ``comparable`` is False when
+    the module draws random numbers (dropout in training), which inductor draws from its own
+    generator: then no value was compared and ``note`` says so.
+    """
+
+    max_abs: float | None
+    max_rel: float | None
+    dtypes_match: bool
+    bitwise: bool
+    grads_max_abs: float | None = None
+    grads_max_rel: float | None = None
+    comparable: bool = True
+    note: str = ""
+
+    def line(self) -> str:
+        if not self.comparable:
+            return f"drift not measured: {self.note}"
+        out = f"outputs max abs {self.max_abs:.3g} (rel {self.max_rel:.3g})"
+        if self.grads_max_abs is not None:
+            out += f", gradients max abs {self.grads_max_abs:.3g} (rel {self.grads_max_rel:.3g})"
+        if not self.dtypes_match:
+            out += ", OUTPUT DTYPES DIFFER"
+        return out + (" (bitwise)" if self.bitwise else "")
+
+
+class _Inductor:
+    """Inductor with these config patches, as a backend of its own: ``torch.compile`` caches
+    compiled code per backend, so a recompile (``refresh``) never reuses frozen constants."""
+
+    def __init__(self, patches: dict[str, Any]) -> None:
+        self.patches = dict(patches)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=self.patches)
+
+
+class CompiledAmpModule(nn.Module):
+    """A converted module compiled by inductor: what ``graphamp.convert(..., compile=True)`` returns.
+
+    Its parameters, buffers and ``state_dict`` keys are those of the converted module, so the
+    model's own ``Parameter`` objects: an optimizer on ``model.parameters()`` trains it. ``.amp``
+    is the converted module (``print(cm.amp.code)`` shows every cast inductor compiles);
+    ``.drift`` what conversion measured against eager autocast on the example.
+
+    >>> import torch, graphamp
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16))
+    >>> x = torch.randn(4, 16)
+    >>> cm = graphamp.convert(model, (x,), compile=True)
+    >>> assert isinstance(cm, graphamp.CompiledAmpModule) and cm.get_parameter("0.weight") is model[0].weight
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     expected = model(x)
+    >>> y = cm(x)
+    >>> assert y.dtype == expected.dtype and float((y.float() - expected.float()).abs().max()) < 0.1
+    >>> assert cm.drift.max_abs < 0.1 and cm.drift.dtypes_match
+    """
+
+    __module__ = "graphamp"
+
+    def __init__(self, amp: AmpModule, *, freezing: bool | None = None, mode: str | None = None) -> None:
+        super().__init__()
+        if not isinstance(amp, AmpModule):
+            raise TypeError(f"CompiledAmpModule compiles a graphamp.AmpModule, got {type(amp).__name__}")
+        info = amp.graphamp_info
+        # The converted module's own state containers: the same parameters under the same names.
+        self.__dict__["_parameters"] = amp._parameters
+        self.__dict__["_buffers"] = amp._buffers
+        self.__dict__["_modules"] = amp._modules
+        self.__dict__["_non_persistent_buffers_set"] = amp._non_persistent_buffers_set
+        self.__dict__["amp"] = amp
+        self.__dict__["_freezing"] = info.inference if freezing is None else bool(freezing)
+        self.__dict__["_mode"] = mode
+        self.__dict__["_compiled"] = None
+        self.__dict__["_fallback_warned"] = False
+        self.__dict__["_lock"] = threading.Lock()
+        self.training = amp.training
+        self.meta: dict[str, Any] = {}
+
+    @property
+    def graphamp_info(self) -> Any:
+        return self.amp.graphamp_info
+
+    @property
+    def code(self) -> str:
+        """The converted graph's code: the casts inductor compiles."""
+        return self.amp.code
+
+    @property
+    def drift(self) -> Drift | None:
+        """What conversion measured against eager autocast on the example (None if not measured)."""
+        return self.meta.get(DRIFT_META)
+
+    def _compiled_fn(self) -> Callable[..., Any]:
+        compiled = self.__dict__["_compiled"]
+        if compiled is None:
+            with self.__dict__["_lock"]:
+                compiled = self.__dict__["_compiled"]
+                if compiled is None:
+                    patches: dict[str, Any] = {"freezing": self.__dict__["_freezing"]}
+                    if self.__dict__["_mode"] is not None:
+                        from torch._inductor import list_mode_options
+
+                        patches.update(list_mode_options(self.__dict__["_mode"]))
+                    compiled = torch.compile(_own_function(self.amp), backend=_Inductor(patches))
+                    self.__dict__["_compiled"] = compiled
+        return compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_fallback"):
+            return self.amp(*args, **kwargs)
+        try:
+            return self._call_compiled(args, kwargs)
+        except InputMismatchError:
+            raise  # another dtype or structure: the uncompiled module refuses it too
+        except Exception as e:
+            if not _is_compile_failure(e):
+                raise
+            self._warn_fallback(e)
+            return self.amp(*args, **kwargs)
+
+    def _call_compiled(self, args: tuple, kwargs: dict) -> Any:
+        info = self.amp.graphamp_info
+        # Outside the compiled code, so that dynamo traces (and inductor freezes) the program as it
+        # runs: no autocast (the graph holds every cast) and, for inference, no grad.
+        ambient = torch.is_autocast_enabled(info.device_type)
+        with autocast_off((info.device_type,)) if ambient else _nothing(), torch.no_grad() if info.inference else _nothing():
+            return self._compiled_fn()(*args, **kwargs)
+
+    def _warn_fallback(self, e: BaseException) -> None:
+        if not self.__dict__["_fallback_warned"]:
+            self.__dict__["_fallback_warned"] = True
+            warnings.warn(
+                f"graphamp: compiling the converted module for these inputs failed ({type(e).__name__}: "
+                f"{_first_line(e)}); it ran uncompiled (exact, slower). Inputs of other shape classes are "
+                "converted again by the uncompiled module; pad inputs to the example's shape class to stay compiled.",
+                CompileFallbackWarning,
+                stacklevel=3,
+            )
+
+    def refresh(self) -> None:
+        """Re-cast the converted module's weights from the model (``AmpModule.refresh``) and compile
+        again on the next call, since freezing folded the old values into the compiled code."""
+        self.amp.refresh()
+        self.__dict__["_compiled"] = None
+
+    def train(self, mode: bool = True) -> CompiledAmpModule:
+        self.amp.train(mode)  # raises on a change: the mode is part of the graph
+        return self
+
+    def cast_summary(self) -> dict[str, Any]:
+        return self.amp.cast_summary()
+
+    def extra_repr(self) -> str:
+        info = self.amp.graphamp_info
+        return f"inductor{' (freezing)' if self.__dict__['_freezing'] else ''}, {info.device_type} {info.dtype}, mode={info.mode!r}"
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_compiled"] = None  # compiled code does not pickle: compiled again after loading
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__["_lock"] = threading.Lock()
+
+    def __deepcopy__(self, memo: dict) -> CompiledAmpModule:
+        import copy
+
+        amp = copy.deepcopy(self.amp, memo)
+        # GraphModule's deepcopy keeps only FX's own attributes; the conversion's record (frozen
+        # values) is shared with the copy.
+        for key in ("_graphamp", "_graphamp_signature", "_graphamp_arity"):
+            if key in self.amp.__dict__ and key not in amp.__dict__:
+                amp.__dict__[key] = self.amp.__dict__[key]
+        new = CompiledAmpModule(amp, freezing=self.__dict__["_freezing"], mode=self.__dict__["_mode"])
+        new.meta = dict(self.meta)
+        memo[id(self)] = new
+        return new
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_COUNTER = itertools.count()
+
+
+def _own_function(target: Callable[..., Any]) -> Callable[..., Any]:
+    """A function calling ``target``, with a code object of its own. Dynamo keeps compiled code per
+    code object, at most ``torch._dynamo.config.recompile_limit`` (8) entries, and past that runs the
+    frame uncompiled: one shared wrapper for every compiled module would silently stop compiling
+    at the ninth."""
+    source = "def graphamp_compiled(*args, **kwargs):\n    return target(*args, **kwargs)\n"
+    namespace: dict[str, Any] = {"target": target}
+    exec(compile(source, f"<graphamp compiled {next(_COUNTER)}>", "exec"), namespace)  # noqa: S102
+    return namespace["graphamp_compiled"]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _is_compile_failure(e: BaseException) -> bool:
+    """Whether ``e`` is dynamo or inductor failing, not the model's own error at run time."""
+    from torch._dynamo import exc
+
+    failures = tuple(
+        getattr(exc, name) for name in ("BackendCompilerFailed", "Unsupported", "InternalTorchDynamoError", "TorchRuntimeError", "UserError")
+        if hasattr(exc, name)
+    )
+    return isinstance(e, (*failures, GraphampError))
+
+
+def _random_ops(amp: AmpModule) -> list[str]:
+    found = []
+    for node in amp.graph.nodes:
+        if node.op == "call_function":
+            name = getattr(getattr(node.target, "_schema", None), "name", "") or getattr(node.target, "__name__", "")
+            if name.split("::")[-1] in _RANDOM_OPS:
+                found.append(name.split("::")[-1])
+    return found
+
+
+def measure_drift(cm: CompiledAmpModule, model: nn.Module, args: tuple = (), kwargs: dict | None = None, *, grads: bool | None = None) -> Drift:
+    """The compiled module's difference from eager autocast on these inputs, outputs and (``grads``,
+    default: where the conversion keeps a gradient path) parameter gradients of verify's fixed loss.
+
+    Both sides start from the same random state with buffers restored. A module that draws random
+    numbers in its forward (dropout in training mode) is not comparable value by value: inductor
+    draws them from its own generator; the result says so instead of reporting a meaningless error.
+    """
+    from graphamp.self_check import _autocast_call, _run
+
+    kwargs = dict(kwargs or {})
+    info = cm.amp.graphamp_info
+    random = _random_ops(cm.amp) if info.training else []
+    if random:
+        return Drift(None, None, True, False, comparable=False, note=(
+            f"the module draws random numbers ({', '.join(sorted(set(random)))}) in training mode, which inductor "
+            "draws from its own generator; measure drift with dropout off (p=0) or in eval mode"
+        ))
+    if grads is None:
+        grads = not info.inference and any(p.requires_grad for p in model.parameters())
+    spec = info.spec()
+    ref = _run(lambda: _autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=info.inference)
+    got = _run(lambda: cm(*args, **kwargs), model, grads=grads, no_grad=info.inference)
+    out_abs, out_rel, same_dtypes, bitwise = _tree_errors(pytree.tree_leaves(got.outputs), pytree.tree_leaves(ref.outputs))
+    g_abs = g_rel = None
+    if grads:
+        names = [n for n in ref.grads if ref.grads[n] is not None and got.grads.get(n) is not None]
+        g_abs, g_rel, _, g_bitwise = _tree_errors([got.grads[n] for n in names], [ref.grads[n] for n in names])
+        bitwise = bitwise and g_bitwise
+    return Drift(out_abs, out_rel, same_dtypes, bitwise, g_abs, g_rel)
+
+
+def _tree_errors(got: list[Any], ref: list[Any]) -> tuple[float, float, bool, bool]:
+    worst_abs = worst_rel = 0.0
+    same_dtypes = len(got) == len(ref)
+    bitwise = same_dtypes
+    for a, b in zip(got, ref):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            continue
+        same_dtypes = same_dtypes and a.dtype == b.dtype and a.shape == b.shape
+        if not (a.is_floating_point() and b.is_floating_point()) or a.shape != b.shape or not a.numel():
+            bitwise = bitwise and a.shape == b.shape and torch.equal(a, b)
+            continue
+        diff = (a.double() - b.double()).abs()
+        if bool((diff.isnan() & ~b.isnan()).any()):
+            return math.inf, math.inf, same_dtypes, False
+        err = float(diff.nan_to_num(0.0).max())
+        scale = float(b.double().abs().nan_to_num(0.0).max())
+        worst_abs = max(worst_abs, err)
+        worst_rel = max(worst_rel, err / scale if scale else (0.0 if err == 0 else math.inf))
+        bitwise = bitwise and err == 0.0
+    return worst_abs, worst_rel, same_dtypes, bitwise
+
+
+def compile_converted(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, *, mode: str | None = None) -> nn.Module:
+    """``amp`` compiled, and compiled now: the example runs through it once (model state restored
+    after), which is where a failure to compile raises :class:`CompileError`; its difference from
+    eager autocast on the example is kept in ``.drift``."""
+    from graphamp.probe import _state_restored
+
+    if not isinstance(amp, AmpModule):  # the dynamo fallback (graph breaks): already torch.compile'd
+        warnings.warn(
+            f"graphamp.convert(compile=True): {type(model).__name__} needed dynamo's graph breaks, so it runs "
+            "as torch.compile(model, backend=\"graphamp\") with eager inner graphs, not through inductor.",
+            CompileFallbackWarning,
+            stacklevel=3,
+        )
+        return amp
+    cm = CompiledAmpModule(amp, mode=mode)
+    start = time.perf_counter()
+    try:
+        with _state_restored(model), torch.inference_mode(False), torch.enable_grad():
+            cm._call_compiled(args, kwargs)
+    except InputMismatchError:
+        raise
+    except Exception as e:
+        raise CompileError(
+            f"graphamp.convert(compile=True): inductor could not compile the converted {type(model).__name__} "
+            f"({type(e).__name__}: {_first_line(e)}). The converted graph itself is fine. Way out: "
+            "convert(..., compile=False) for the exact, uncompiled module, or torch.compile(model, "
+            "backend=\"graphamp\")."
+        ) from e
+    cm.meta["graphamp.compile_s"] = time.perf_counter() - start
+    try:
+        cm.meta[DRIFT_META] = measure_drift(cm, model, args, kwargs)
+    except Exception as e:  # the drift is a report; eager that cannot run leaves it unmeasured
+        cm.meta[DRIFT_META] = Drift(None, None, True, False, comparable=False, note=f"eager autocast could not run the example ({type(e).__name__}: {_first_line(e)})")
+    return cm
+
+
+def compiled_for_training(amp: nn.Module) -> nn.Module:
+    """``TrainStep(compile=True)``'s model-and-loss: the converted module compiled by inductor,
+    compiled on its first call (the first training step)."""
+    if not isinstance(amp, AmpModule):
+        warnings.warn(
+            f"graphamp.TrainStep(compile=True): the model was converted as a {type(amp).__name__}, which is "
+            "not one graph inductor can take; it runs uncompiled.",
+            CompileFallbackWarning,
+            stacklevel=3,
+        )
+        return amp
+    return CompiledAmpModule(amp, freezing=False)
+
+
+class CompiledOptimizerStep:
+    """An optimizer's ``step`` compiled by inductor: one fused kernel over every parameter instead of
+    a Python loop of small ops (AdamW on CPU runs its default single-tensor loop otherwise).
+
+    :meth:`bound` makes ``optimizer.step`` the compiled step for its duration, so that
+    ``GradScaler.step`` and graph-mode selection call it unchanged. A fused optimizer
+    (``fused=True``), a step with a closure, and a step that fails to compile (warning
+    :class:`CompileFallbackWarning` once) run the optimizer's own step. Inductor computes the
+    update in another order than the eager loop: parameters differ from it by rounding. A
+    learning rate given as a Python float recompiles when a scheduler changes it; pass it as a
+    tensor (``lr=torch.tensor(1e-3)``) to keep one compiled step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        fused = any(group.get("fused") for group in optimizer.param_groups)
+        self.enabled = not fused and not getattr(optimizer, "_step_supports_amp_scaling", False)
+        eager = type(optimizer).step
+        self._eager = eager
+        self._compiled = torch.compile(_own_function(functools.partial(eager, optimizer)))
+        self._warned = False
+
+    def __call__(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        if not self.enabled or closure is not None or kwargs:
+            return self._eager(self.optimizer, closure, **kwargs) if closure is not None else self._eager(self.optimizer, **kwargs)
+        try:
+            return self._compiled()
+        except Exception as e:
+            if not _is_compile_failure(e):
+                raise
+            self.enabled = False
+            warnings.warn(
+                f"graphamp.TrainStep(compile=True): compiling {type(self.optimizer).__name__}.step failed "
+                f"({type(e).__name__}: {_first_line(e)}); it runs uncompiled.",
+                CompileFallbackWarning,
+                stacklevel=2,
+            )
+            return self._eager(self.optimizer)
+
+    def bound(self) -> Any:
+        """A context in which ``optimizer.step`` is this compiled step."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def bind() -> Any:
+            opt = self.optimizer
+            previous = opt.__dict__.get("step")
+            opt.step = self
+            try:
+                yield
+            finally:
+                if previous is None:
+                    del opt.step
+                else:
+                    opt.step = previous
+
+        return bind()

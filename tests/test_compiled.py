@@ -1,0 +1,206 @@
+"""``convert(..., compile=True)`` and ``TrainStep(..., compile=True)``: graphamp's graph through inductor.
+
+Not bitwise (inductor fuses and reduces its own way): values are compared against eager autocast
+within a tolerance, dtypes and structure exactly. No timing is asserted here (``graphamp bench``).
+"""
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import graphamp
+from graphamp.compiled import (
+    CompiledAmpModule,
+    CompileError,
+    CompileFallbackWarning,
+    _Inductor,
+    measure_drift,
+)
+from graphamp.testing import zoo
+
+BF16 = torch.bfloat16
+# bf16 keeps 8 significant bits: one rounding is a relative error up to 2^-8; a few layers of
+# roundings in another order stay well inside this.
+REL = 0.05
+
+
+def _block() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16))
+
+
+def _autocast(model: nn.Module, *args):
+    with torch.autocast("cpu", dtype=BF16):
+        return model(*args)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    got, want = got.detach(), want.detach()
+    return got.dtype == want.dtype and got.shape == want.shape and float((got.float() - want.float()).abs().max()) <= REL * float(want.float().abs().max())
+
+
+@pytest.fixture(scope="module")
+def trained():
+    torch.manual_seed(0)
+    model = _block()
+    x = torch.randn(4, 16)
+    return model, x, graphamp.convert(model, (x,), dtype=BF16, compile=True)
+
+
+def test_compiled_module_shares_the_models_parameters_and_names(trained):
+    model, _x, cm = trained
+    assert isinstance(cm, CompiledAmpModule) and isinstance(cm.amp, graphamp.AmpModule)
+    assert [n for n, _ in cm.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(a is b for a, b in zip(cm.parameters(), model.parameters()))
+    assert list(cm.state_dict()) == list(model.state_dict())
+    assert "_to_copy" in cm.code and cm.cast_summary()["casts"] == cm.amp.cast_summary()["casts"]
+
+
+def test_compiled_outputs_and_gradients_near_eager_autocast(trained):
+    model, _x, cm = trained
+    drift = cm.drift
+    assert drift.comparable and drift.dtypes_match
+    assert drift.max_rel <= REL and drift.grads_max_rel <= REL and drift.grads_max_abs is not None
+    assert "max abs" in drift.line()
+    other = torch.randn(7, 16)  # another batch size: dynamo recompiles, no new conversion
+    assert _close(cm(other), _autocast(model, other))
+    again = measure_drift(cm, model, (other,))
+    assert again.comparable and again.max_rel <= REL and again.grads_max_rel <= REL
+
+
+def test_ambient_autocast_is_switched_off(trained):
+    _model, x, cm = trained
+    with torch.autocast("cpu", dtype=torch.float16):
+        inside = cm(x)
+    assert torch.equal(inside, cm(x))
+
+
+def test_optimizer_on_model_parameters_trains_the_compiled_module():
+    torch.manual_seed(1)
+    model = _block()
+    x, target = torch.randn(4, 16), torch.randn(4, 16)
+    cm = graphamp.convert(model, (x,), dtype=BF16, compile=True, self_check="off")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = cm(x).detach()
+    loss = nn.functional.mse_loss(cm(x).float(), target)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    opt.step()
+    after = cm(x).detach()
+    assert not torch.equal(before, after)  # the compiled code reads the updated parameters
+    assert _close(after, _autocast(model, x).detach())
+
+
+def test_inference_freezes_and_refresh_recompiles():
+    torch.manual_seed(2)
+    model = _block().eval()
+    x = torch.randn(4, 16)
+    cm = graphamp.convert(model, (x,), dtype=BF16, inference=True, compile=True)
+    assert cm.extra_repr().startswith("inductor (freezing)")
+    y = cm(x)
+    assert not y.requires_grad and _close(y, _autocast(model, x))
+    assert cm.drift.grads_max_abs is None and cm.drift.max_rel <= REL
+    with torch.no_grad():
+        model[0].weight.mul_(-1)
+    cm.refresh()
+    assert _close(cm(x), _autocast(model, x))
+
+
+def test_dropout_in_training_is_not_compared_by_value():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    x = torch.randn(4, 8)
+    cm = graphamp.convert(model, (x,), compile=True)
+    assert not cm.drift.comparable and "dropout" in cm.drift.note and "not measured" in cm.drift.line()
+
+
+def test_compile_failure_raises_a_typed_error(monkeypatch):
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("inductor says no")
+
+    monkeypatch.setattr(_Inductor, "__call__", broken)
+    with pytest.raises(CompileError, match="compile=False") as info:
+        graphamp.convert(_block(), (torch.randn(2, 16),), compile=True, self_check="off")
+    assert isinstance(info.value, graphamp.GraphampError) and info.value.__cause__ is not None
+
+
+def test_a_later_compile_failure_falls_back_with_a_warning(monkeypatch):
+    model, x = _block(), torch.randn(4, 16)
+    cm = graphamp.convert(model, (x,), compile=True, self_check="off")
+
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("inductor says no")
+
+    monkeypatch.setattr(_Inductor, "__call__", broken)
+    other = torch.randn(9, 16)  # a new size: dynamo compiles again, and fails
+    with pytest.warns(CompileFallbackWarning, match="uncompiled"):
+        y = cm(other)
+    assert torch.equal(y, cm.amp(other))  # the uncompiled module: exact
+    assert torch.equal(y, _autocast(model, other))
+
+
+def test_compile_argument_is_checked():
+    with pytest.raises(TypeError, match="compile must be True or False"):
+        graphamp.convert(_block(), (torch.randn(2, 16),), compile="yes")
+    with pytest.raises(TypeError, match="compile must be True or False"):
+        model = _block()
+        graphamp.TrainStep(model, nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=1), compile=1)
+
+
+def test_pickle_drops_the_compiled_code_and_compiles_again(trained):
+    model, x, cm = trained
+    buf = io.BytesIO()
+    torch.save(cm, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert isinstance(loaded, CompiledAmpModule) and loaded.__dict__["_compiled"] is None
+    assert _close(loaded(x), _autocast(model, x))
+
+
+def _train(compile: bool, dtype: torch.dtype, fused: bool = False, steps: int = 3):
+    torch.manual_seed(3)
+    model = _block()
+    # SGD's update is proportional to the gradient, so parameters stay comparable within rounding
+    # (Adam's normalised step turns a rounding difference of a near-zero gradient into up to lr).
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True) if fused else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = graphamp.TrainStep(model, lambda out, t: nn.functional.mse_loss(out.float(), t), opt, dtype=dtype, compile=compile)
+    gen = torch.Generator().manual_seed(0)
+    losses = [step(torch.randn(8, 16, generator=gen), target=torch.randn(8, 16, generator=gen)) for _ in range(steps)]
+    return model, step, torch.stack(losses)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_trainstep_compiled_follows_the_eager_loop(dtype):
+    model, step, losses = _train(True, dtype)
+    ref_model, _, ref_losses = _train(False, dtype)
+    assert isinstance(step._compiled, CompiledAmpModule) and step._compiled_step.enabled
+    assert step.steps == 3 and (step.scaler is not None) == (dtype == torch.float16)
+    assert torch.allclose(losses, ref_losses, rtol=REL, atol=1e-3)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.allclose(p, q, rtol=REL, atol=5e-3)
+    assert "step" not in step.optimizer.__dict__  # the compiled step is bound only while stepping
+
+
+def test_trainstep_compiled_keeps_a_fused_optimizers_own_step():
+    _, step, losses = _train(True, torch.bfloat16, fused=True, steps=1)
+    assert not step._compiled_step.enabled and torch.isfinite(losses).all()
+
+
+def test_a_transformers_model_compiles_for_inference():
+    pytest.importorskip("transformers")
+    case = zoo.bert(layers=1, hidden=32, heads=2)
+    model = case.model.eval()
+    args, kwargs = case.inputs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        cm = graphamp.convert(model, args, kwargs, inference=True, compile=True)
+    got = cm(*args, **kwargs)
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        want = model(*args, **kwargs)
+    assert type(got) is type(want)
+    assert _close(got.last_hidden_state, want.last_hidden_state)
+    assert cm.drift.comparable and cm.drift.max_rel <= REL
+    twin = copy.deepcopy(cm)
+    assert isinstance(twin, CompiledAmpModule) and twin.amp is not cm.amp and twin.drift == cm.drift
