@@ -82,9 +82,8 @@ def _lm_loss(out, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
-def _eager_loop(model: nn.Module, loss_fn, batches, *, clip: float | None) -> list[torch.Tensor]:
+def _eager_loop(model: nn.Module, opt, loss_fn, batches, *, clip: float | None) -> list[torch.Tensor]:
     """The AMP docs' bf16 loop on an FSDP2 model: forward and loss under autocast, backward, step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for args, kwargs, target in batches:
         opt.zero_grad(set_to_none=True)
@@ -96,6 +95,10 @@ def _eager_loop(model: nn.Module, loss_fn, batches, *, clip: float | None) -> li
         opt.step()
         losses.append(loss.detach())
     return losses
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -136,9 +139,8 @@ def _scenario_llama_trainstep(rank: int) -> dict:
     _shard(ours, list(ours.model.layers))
     initial = _gathered(ours)
     batches = _llama_batches(rank)
-    want = _eager_loop(eager, _lm_loss, batches, clip=1.0)
-    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    step = graphamp.TrainStep(ours, _lm_loss, opt, dtype=torch.bfloat16, max_grad_norm=1.0)  # self_check="raise"
+    want = _eager_loop(eager, _adamw(eager), _lm_loss, batches, clip=1.0)
+    step = graphamp.TrainStep(ours, _lm_loss, _adamw(ours), dtype=torch.bfloat16, max_grad_norm=1.0)  # self_check="raise"
     got = [step(*args, target=target, **kwargs) for args, kwargs, target in batches]
     return _compare(eager, ours, initial, want, got, {
         "self_check": step.module.meta["graphamp.self_check"].ok,
@@ -160,7 +162,10 @@ def _scenario_mlp_convert(rank: int) -> dict:
     _shard(ours, list(ours.blocks))
     initial = _gathered(ours)
     batches = _mlp_batches(rank)
-    want = _eager_loop(eager, F.mse_loss, batches, clip=None)
+    # Optimizers are built while every parameter is sharded: after a forward without backward, the
+    # root keeps its gathered parameters (reshard_after_forward=False), which parameters() lists.
+    eager_opt, our_opt = _adamw(eager), _adamw(ours)
+    want = _eager_loop(eager, eager_opt, F.mse_loss, batches, clip=None)
     (x0,), _, _ = batches[0]
     # convert's own self-check is the generic one until convert() dispatches to fsdp.self_check.
     amp = graphamp.convert(ours, (x0,), dtype=torch.bfloat16, self_check="off")
@@ -168,12 +173,26 @@ def _scenario_mlp_convert(rank: int) -> dict:
                            inference=False, config=None, keep_io_types=False)
     check = fsdp.self_check(amp, ours, (x0,), {}, spec, on_drift="raise")
     # The same loop: the loss outside the graph runs under autocast, as eager's; amp switches it off inside.
-    got = _eager_loop(amp, F.mse_loss, batches, clip=None)
-    return _compare(eager, ours, initial, want, got, {
+    got = _eager_loop(amp, our_opt, F.mse_loss, batches, clip=None)
+    result = _compare(eager, ours, initial, want, got, {
         "self_check": check.ok,
         "units": amp.meta["graphamp.fsdp"],
         "amp_params_are_model_params": [id(p) for p in amp.parameters()] == [id(p) for p in ours.parameters()],
+        "not_stale": fsdp.sharded_after_conversion(amp) is None,
     })
+    # A forward without grad (casts of weights that need no grad path may be kept across calls, and
+    # FSDP refills the gathered parameters' storage each forward), a training step, and again.
+    evals = []
+    for _ in range(2):
+        with torch.no_grad():
+            ours_out = amp(x0)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                eager_out = eager(x0)
+        evals.append((ours_out, eager_out))
+        _eager_loop(amp, our_opt, F.mse_loss, batches[1:2], clip=None)
+        _eager_loop(eager, eager_opt, F.mse_loss, batches[1:2], clip=None)
+    result["evals"] = evals
+    return result
 
 
 def _scenario_errors(rank: int) -> dict:
@@ -289,6 +308,17 @@ def test_llama_units_converted_each(fsdp_results):
     r = _result(fsdp_results, 0, "mlp-convert")
     assert sorted(r["units"]) == ["", "blocks.0", "blocks.1"]
     assert r["amp_params_are_model_params"]  # an optimizer on model.parameters() trains amp
+    assert r["not_stale"]
+
+
+def test_no_grad_forward_follows_the_weights(fsdp_results):
+    for rank in range(WORLD):
+        evals = _result(fsdp_results, rank, "mlp-convert")["evals"]
+        assert len(evals) == 2
+        for ours, eager in evals:
+            assert ours.dtype == eager.dtype == torch.bfloat16
+            assert torch.equal(ours, eager), f"rank {rank}: no_grad output differs from eager autocast + FSDP2"
+        assert not torch.equal(evals[0][0], evals[1][0]), "the weights did not change between the forwards"
 
 
 def test_converted_then_sharded_raises_typed_error(fsdp_results):

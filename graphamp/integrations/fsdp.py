@@ -26,7 +26,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from graphamp.errors import CaptureError, GraphampError, InputMismatchError, InputShapeError
+from graphamp.errors import (
+    CaptureError,
+    GraphampError,
+    InputMismatchError,
+    InputShapeError,
+)
 from graphamp.spec import AmpSpec, ambient_autocast
 
 __all__ = ["FSDP_META", "FsdpUnitCall", "convert_sharded", "is_sharded", "self_check", "sharded_after_conversion", "sharded_units"]
@@ -105,18 +110,12 @@ class _Unit:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The unit's forward while its enclosing graph calls it: its converted graph, on the
         parameters FSDP's pre-forward hook has just gathered."""
+        # The mode is the enclosing converted module's choice: it converted these units in it.
         amp = self.amp
-        if self.module.training != amp.graphamp_info.training:
-            mode = "training" if amp.graphamp_info.training else "eval"
-            raise InputMismatchError(
-                f"the FSDP unit {self.path or '<root>'} was converted in {mode} mode and now runs in "
-                f"{'training' if self.module.training else 'eval'} mode (dropout and batch norm are part of "
-                "its graph). Way out: convert the model again in this mode."
-            )
         for mine, name, owner in self.links:
             mine._parameters[name] = owner._parameters[name]
-        # FSDP refills the gathered parameters in place without bumping their versions: no weight
-        # copy may outlive a call.
+        # FSDP frees the gathered parameters' storage after each use and refills it in place;
+        # whether that bumps their versions depends on its copy-in path: no weight copy outlives a call.
         amp.refresh()
         try:
             return amp(*args, **kwargs)
