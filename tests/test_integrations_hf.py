@@ -257,3 +257,25 @@ def test_prepared_view_refuses_a_model_accelerate_has_wrapped():
         model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
     with pytest.raises(OptionError, match="keep_fp32_wrapper=False"):
         hf.prepare(model)
+
+
+def test_views_look_like_the_model_where_trainer_looks(tmp_path):
+    """What Trainer reads by type and name, without running anything: a converted AmpModule's plain
+    submodules would get weight decay on GPT-2's LayerNorms (ln_1, ln_2, ln_f: excluded by type
+    only) and its class name would hide that the model is a causal LM from label smoothing."""
+    import inspect
+
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=16, use_cache=False)
+    model = transformers.GPT2LMHeadModel(cfg)
+    trainer = transformers.Trainer(model=model, args=training_args(tmp_path))
+    want_decay = trainer.get_decay_parameter_names(model)
+    assert "transformer.h.0.ln_1.weight" not in want_decay
+    for view in (hf.prepare(model), hf.compile(model)):
+        assert isinstance(view, transformers.GPT2LMHeadModel) and view._get_name() == "GPT2LMHeadModel"
+        assert trainer.get_decay_parameter_names(view) == want_decay
+        assert [name for name, _ in view.named_parameters()] == [name for name, _ in model.named_parameters()]
+        assert all(p is q for p, q in zip(view.parameters(), model.parameters()))
+        assert inspect.signature(view.forward) == inspect.signature(model.forward)
+        assert view.config is model.config and view.transformer is model.transformer
+        view.eval()  # the view's own flag and the shared submodules', as the model's train()/eval() set them
+        assert not view.training and not model.transformer.training and model.training

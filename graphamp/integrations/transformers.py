@@ -8,6 +8,9 @@ model's own: ``isinstance(view, PreTrainedModel)`` (so ``Trainer.save_model`` wr
 ``accepts_loss_kwargs`` (Trainer passes ``num_items_in_batch``), its parameters in its own order
 (gradient clipping sums the norm in the same order), its submodules' types (weight decay skips
 norms as for the model), ``train()``/``eval()``, ``save_pretrained``, ``generation_config``.
+The submodules are the model's, so ``view.train()``/``view.eval()`` set their modes as
+``model.train()``/``model.eval()`` would (the model's own top-level flag stays its own), and training
+the view trains the model.
 
 - :func:`prepare`: ``forward`` runs graphs converted by :func:`graphamp.convert`, one per training
   mode and input structure, converted on first use from that call's inputs (a training graph, and
