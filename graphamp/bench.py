@@ -3,8 +3,19 @@
 Every variant runs the same model (its own copy) on the same inputs. Timings come from
 ``torch.utils.benchmark.Timer`` in interleaved rounds (variant A, B, C, A, B, C, ...), so drifts of
 the machine hit all variants alike; a row reports the median over rounds, the p10-p90 spread, and
-ratios of medians to eager autocast, to pure low precision, to fp32 and to the better of fp32 and
-eager autocast (``vs best``: what a user could get without graphamp).
+ratios of medians to eager autocast, to pure low precision, to fp32 and to the fastest alternative
+measured (``vs best``: the fastest of fp32, eager autocast, ``compile_autocast`` and
+``compile_autocast_freezing`` among the variants run, i.e. what a user could get without graphamp at
+autocast's accuracy; pure low precision is left out, since it changes the numerics; the table names
+it per model).
+
+``--model`` takes built-in names or ``pkg.module:factory`` for your own model (the factory returns a
+``graphamp.testing.zoo.Case`` or ``(model, args[, kwargs])``, as ``graphamp verify`` takes it).
+
+Compiled graphamp variants: ``graphamp_compiled`` is ``graphamp.convert(..., compile=True)`` (for
+``--task infer`` with ``inference=True``, so inductor freezes the low-precision weights), trained
+with the same eager AdamW step as the other variants; ``trainstep_compiled`` is
+``graphamp.TrainStep(..., compile=True)``, whose optimizer step is compiled too.
 
 Other columns:
 * casts/call: ``aten._to_copy`` ops one call executes after warm-up, counted by lowering the call with
@@ -41,7 +52,7 @@ from graphamp.testing import zoo
 from graphamp.verify.reference import count_casts, lowered_graph
 from graphamp.spec import DTYPE_ALIASES
 
-__all__ = ["BENCH_MODELS", "VARIANTS", "Row", "run", "DEFAULT_MODELS"]
+__all__ = ["ALTERNATIVES", "BENCH_MODELS", "VARIANTS", "Row", "build_case", "run", "DEFAULT_MODELS"]
 
 DTYPES = ("bf16", "fp16")  # the short names of graphamp.spec.DTYPE_ALIASES
 
@@ -67,11 +78,15 @@ VARIANTS = (
     "compile_autocast",
     "compile_autocast_freezing",
     "graphamp_backend",
+    "graphamp_compiled",
     "trainstep",
+    "trainstep_compiled",
 )
 INFER_ONLY = {"graphamp_inference", "compile_autocast_freezing"}
-TRAIN_ONLY = {"trainstep"}
-COMPILED = {"compile_autocast", "compile_autocast_freezing", "graphamp_backend"}
+TRAIN_ONLY = {"trainstep", "trainstep_compiled"}
+COMPILED = {"compile_autocast", "compile_autocast_freezing", "graphamp_backend", "graphamp_compiled", "trainstep_compiled"}
+# What a user gets without graphamp at autocast's accuracy: ``vs best`` divides by the fastest of these.
+ALTERNATIVES = ("fp32", "autocast", "compile_autocast", "compile_autocast_freezing")
 
 
 def _sized(case: zoo.Case, batch: int, seq: int) -> zoo.Case:
@@ -92,7 +107,8 @@ class Row:
     vs_autocast: float | None = None
     vs_pure_low: float | None = None
     vs_fp32: float | None = None
-    vs_best: float | None = None  # median / min(fp32, eager autocast)
+    vs_best: float | None = None  # median / the fastest of ALTERNATIVES measured
+    best: str = ""  # which alternative that was
     casts_per_call: int | None = None
     peak_mib: float | None = None
     max_err: float | None = None
@@ -191,9 +207,16 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Varia
         compiled = torch.compile(model, backend="graphamp", options={"dtype": dtype})
         call = lambda: compiled(*args, **kwargs)  # noqa: E731
         return _Variant(as_step(call, model.parameters()), call, None)
-    if name == "trainstep":
+    if name == "graphamp_compiled":
+        inference = task == "infer"
+        cm = graphamp.convert(model, args, kwargs, dtype=dtype, inference=inference, compile=True)
+        call = lambda: cm(*args, **kwargs)  # noqa: E731
+        variant = _Variant(as_step(call, model.parameters()), call, None)
+        variant.note = f"inference={inference}; drift on the example: {cm.drift.line()}" if cm.drift else ""
+        return variant
+    if name in ("trainstep", "trainstep_compiled"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        step = graphamp.TrainStep(model, lambda out, target: _loss(out), opt, dtype=dtype)
+        step = graphamp.TrainStep(model, lambda out, target: _loss(out), opt, dtype=dtype, compile=name == "trainstep_compiled")
 
         def train() -> Any:
             return step(*args, target=None, **kwargs)
@@ -280,9 +303,7 @@ def run(
             raise ValueError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
     rows: list[Row] = []
     for model_name in models:
-        if model_name not in BENCH_MODELS:
-            raise ValueError(f"unknown model {model_name!r}; built-in models: {', '.join(BENCH_MODELS)}")
-        case = BENCH_MODELS[model_name]()
+        case = build_case(model_name)
         prepared: dict[str, _Variant] = {}
         model_rows = {v: Row(model_name, task, dtype, v) for v in chosen}
         first_out: dict[str, Any] = {}
@@ -314,7 +335,8 @@ def run(
                 model_rows[v].samples.append(m.median * 1e3)
         for v in live:
             row = model_rows[v]
-            q = statistics.quantiles(row.samples, n=10, method="inclusive")
+            # One round (--rounds 1) has no spread: its p10 and p90 are its median.
+            q = statistics.quantiles(row.samples, n=10, method="inclusive") if len(row.samples) > 1 else row.samples * 9
             row.median_ms, row.p10_ms, row.p90_ms = statistics.median(row.samples), q[0], q[-1]
             if "autocast" in first_out and v in first_out:
                 row.max_err = _max_err(first_out[v], first_out["autocast"])
@@ -333,7 +355,8 @@ def run(
         base = model_rows.get("autocast")
         pure = model_rows.get("pure_low")
         fp32 = model_rows.get("fp32")
-        best = min((r.median_ms for r in (base, fp32) if r is not None and r.median_ms), default=None)
+        measured = [(model_rows[v].median_ms, v) for v in ALTERNATIVES if v in live and model_rows[v].median_ms]
+        best, best_name = min(measured) if measured else (None, "")
         for v in live:
             row = model_rows[v]
             if base is not None and base.median_ms:
@@ -344,10 +367,20 @@ def run(
                 row.vs_fp32 = row.median_ms / fp32.median_ms
             if best:
                 row.vs_best = row.median_ms / best
+                row.best = best_name
         rows.extend(model_rows.values())
     _progress("")
     print(file=sys.stderr, end="")
     return rows
+
+
+def build_case(name: str) -> zoo.Case:
+    """A built-in bench model (benchmark sizes), or ``pkg.module:factory`` for the user's own."""
+    if name in BENCH_MODELS:
+        return BENCH_MODELS[name]()
+    if ":" in name:
+        return zoo.build(name)
+    raise ValueError(f"unknown model {name!r}; built-in models: {', '.join(BENCH_MODELS)}, or pkg.module:factory")
 
 
 class _CallModule(nn.Module):
@@ -382,6 +415,10 @@ def table(rows: list[Row]) -> str:
             f"{_fmt(r.max_err, '.3g')} | {_fmt(r.err_vs_fp32, '.3g')} ({_fmt(r.autocast_err_vs_fp32, '.3g')}) | {_fmt(r.setup_s, '.1f')} |"
         )
     notes = [f"{r.model} {r.variant}: {r.note}" for r in rows if r.note]
+    bests = {r.model: r.best for r in rows if r.best}
+    if bests:
+        notes += [f"vs best: each row over the fastest alternative without graphamp ({', '.join(ALTERNATIVES)} as run): "
+                  + ", ".join(f"{m}: {b}" for m, b in bests.items())]
     if notes:
         lines += [""] + notes
     return "\n".join(lines)

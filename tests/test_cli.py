@@ -31,3 +31,49 @@ def test_bench_smoke(tmp_path, capsys):
 def test_bench_rejects_unknown_model():
     with pytest.raises(SystemExit):
         main(["bench", "--model", "nope"])
+
+
+def test_bench_compiled_variants_and_vs_best(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    code = main(["bench", "--model", "mlp", "--variants", "fp32", "autocast", "compile_autocast", "graphamp_compiled",
+                 "--rounds", "2", "--json", str(path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values())
+    # vs best: over the fastest alternative without graphamp, compile_autocast included, named
+    best = min(("fp32", "autocast", "compile_autocast"), key=lambda v: rows[v]["median_ms"])
+    for r in rows.values():
+        assert r["best"] == best and r["vs_best"] == pytest.approx(r["median_ms"] / rows[best]["median_ms"])
+    assert rows[best]["vs_best"] == 1.0 and f"mlp: {best}" in out
+    compiled = rows["graphamp_compiled"]
+    assert 0 <= compiled["max_err"] < 0.1 and "drift on the example" in compiled["note"]  # not bitwise; near
+
+
+def test_bench_trainstep_compiled(tmp_path):
+    path = tmp_path / "bench.json"
+    code = main(["bench", "--model", "mlp", "--task", "train", "--variants", "autocast", "trainstep", "trainstep_compiled",
+                 "--rounds", "1", "--json", str(path)])
+    assert code == 0
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["trainstep_compiled"]["status"] == "ok" and rows["trainstep_compiled"]["median_ms"] > 0
+
+
+def test_bench_takes_a_models_factory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_bench_model.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())\n"
+        "    return model, (torch.randn(4, 8),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    code = main(["bench", "--model", "my_bench_model:make", "--variants", "autocast", "graphamp", "--rounds", "1"])
+    assert code == 0
+    assert "| my_bench_model:make | infer | bf16 | graphamp |" in capsys.readouterr().out
+
+
+def test_bench_names_a_factory_that_cannot_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="no module 'no_such_module'"):
+        main(["bench", "--model", "no_such_module:make"])

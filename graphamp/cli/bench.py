@@ -14,7 +14,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from graphamp.bench import BENCH_MODELS, DEFAULT_MODELS, VARIANTS
 
     p = sub.add_parser("bench", help="compare graphamp with eager autocast and the alternatives")
-    p.add_argument("--model", nargs="+", default=list(DEFAULT_MODELS), choices=sorted(BENCH_MODELS), help="built-in models (default: %(default)s)")
+    p.add_argument(
+        "--model", nargs="+", default=list(DEFAULT_MODELS), metavar="MODEL",
+        help=f"built-in models ({', '.join(sorted(BENCH_MODELS))}) or pkg.module:factory for your own "
+        "(returning a zoo.Case or (model, args[, kwargs])) (default: %(default)s)",
+    )
     p.add_argument("--task", choices=["infer", "train"], default="infer")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS, help="default: all that apply to the task")
@@ -28,7 +32,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from graphamp import bench
 
-    rows = bench.run(args.model, task=args.task, dtype=args.dtype, variants=args.variants, rounds=args.rounds)
+    for name in args.model:
+        if name not in bench.BENCH_MODELS and ":" not in name:
+            raise SystemExit(
+                f"graphamp bench: unknown model {name!r}; built-in models: {', '.join(sorted(bench.BENCH_MODELS))}, "
+                "or pkg.module:factory"
+            )
+    try:
+        rows = bench.run(args.model, task=args.task, dtype=args.dtype, variants=args.variants, rounds=args.rounds)
+    except (ValueError, TypeError, ImportError) as e:  # a model that cannot be built: say why, no traceback
+        raise SystemExit(f"graphamp bench: {e}") from e
     from graphamp.hardware import capability
 
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
