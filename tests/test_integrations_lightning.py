@@ -256,3 +256,29 @@ def test_a_wrapped_model_is_refused() -> None:
     # Multi-device strategies hand the plugin their wrapper (DistributedDataParallel, ...).
     with pytest.raises(OptionError, match="single device.*Way out"):
         GraphampPrecision("bf16-mixed").connect(nn.Linear(2, 2), [], [])
+
+
+class TwoWays(Wrapped):
+    """A forward called two ways: odd steps pass a keyword (another input structure)."""
+
+    def forward(self, ids: torch.Tensor, *, twice: bool = False) -> torch.Tensor:
+        h = self.model[1](self.model[0](ids))
+        if twice:
+            h = self.model[1](h)
+        return self.model[3](self.model[2](h))
+
+    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        ids, target = batch
+        logits = self(ids, twice=True) if batch_idx % 2 else self(ids)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+        self.losses.append(loss.detach().clone())
+        return loss
+
+
+def test_a_forward_called_two_ways_gets_a_graph_each() -> None:
+    ref = _fit(TwoWays(), precision="bf16-mixed")
+    plugin = GraphampPrecision("bf16-mixed")
+    got = _fit(TwoWays(), plugins=[plugin])
+    assert all(torch.equal(a, b) for a, b in zip(got.losses, ref.losses, strict=True))
+    assert _same_params(got, ref)
+    assert len(plugin._by_structure) == 2 and list(plugin.converted) == [True]

@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from graphamp.config import Config
+from graphamp.emit import input_signature
 from graphamp.errors import OptionError, PolicyDriftWarning
 from graphamp.policy import DEVICE_TYPES
 from graphamp.self_check import SELF_CHECK_META
@@ -90,7 +91,8 @@ class GraphampPrecision(MixedPrecision):
 
     Attributes:
         converted: the converted modules by training mode (True for ``train()``), made on first
-            use in each ``fit``/``validate``/``test``/``predict`` and kept after it for inspection.
+            use in each ``fit``/``validate``/``test``/``predict`` and kept after it for inspection
+            (a forward called with another input structure in the same mode gets its own).
 
     >>> import pytorch_lightning as pl
     >>> class Lit(pl.LightningModule):
@@ -155,6 +157,7 @@ class GraphampPrecision(MixedPrecision):
         self.config = dataclasses.replace(config or Config(), cache_enabled=False)
         self.self_check = self_check
         self.converted: dict[bool, nn.Module] = {}
+        self._by_structure: dict[tuple, nn.Module] = {}
         self._lightning_module: pl.LightningModule | None = None
         self._target: nn.Module | None = None
         self._calls = 0
@@ -171,6 +174,7 @@ class GraphampPrecision(MixedPrecision):
         self._lightning_module = model
         self._target = self._find_target(model)
         self.converted.clear()  # a new fit/validate/...: convert this model afresh
+        self._by_structure.clear()
         device = self._device_given or model.device.type
         if device not in DEVICE_TYPES:
             raise OptionError(
@@ -253,7 +257,13 @@ class GraphampPrecision(MixedPrecision):
                 target.forward = previous
 
     def _converted_for(self, target: nn.Module, previous: Any, args: tuple, kwargs: dict) -> nn.Module:
-        amp = self.converted.get(target.training)
+        # A graph holds one input structure (positional count, keyword names, non-tensor values);
+        # a step that calls the forward another way gets a conversion of its own.
+        key = (target.training, input_signature(args, kwargs))
+        try:
+            amp = self._by_structure.get(key)
+        except TypeError:  # an unhashable non-tensor argument: the mode's graph says what differs
+            key, amp = None, self.converted.get(target.training)
         if amp is not None:
             return amp
         import graphamp
@@ -280,7 +290,9 @@ class GraphampPrecision(MixedPrecision):
             # A difference only without grad is the plugin's to handle (_eager_without_grad).
             if not (issubclass(w.category, PolicyDriftWarning) and _NO_GRAD_ONLY in str(w.message)):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        self.converted[target.training] = amp
+        self.converted.setdefault(target.training, amp)
+        if key is not None:
+            self._by_structure[key] = amp
         return amp
 
     def _eager_without_grad(self, amp: nn.Module, target: nn.Module) -> bool:
