@@ -220,6 +220,31 @@ def test_train_step_matches_an_uncached_autocast_loop() -> None:
         assert torch.equal(p, q), name
 
 
+class BranchTwice(nn.Module):
+    """A Python branch on a value (torch.export refuses it: convert falls back to dynamo); the
+    Linear is applied twice on both branches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h = torch.relu(h) if h.float().sum() > 0 else -h
+        return self.lin(h)
+
+
+def test_the_dynamo_fallback_keeps_cache_enabled() -> None:
+    torch._dynamo.reset()
+    model, x = BranchTwice(), _x(4, 16)
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16, config=Config(cache_enabled=False))
+    assert isinstance(amp, graphamp.DynamoAmpModule)
+    got = _grads(lambda: amp(x), model)
+    assert _same(got, _eager(model, (x,), {}, torch.bfloat16, False))
+    assert not _same(got, _eager(model, (x,), {}, torch.bfloat16, True))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize(
     "options, ambient",
     [({"cache_enabled": False}, None), ({"config": Config(cache_enabled=False)}, None), ({}, False)],
