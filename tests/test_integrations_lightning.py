@@ -281,4 +281,4 @@ def test_a_forward_called_two_ways_gets_a_graph_each() -> None:
     got = _fit(TwoWays(), plugins=[plugin])
     assert all(torch.equal(a, b) for a, b in zip(got.losses, ref.losses, strict=True))
     assert _same_params(got, ref)
-    assert len(plugin._by_structure) == 2 and list(plugin.converted) == [True]
+    assert len(plugin._router.by_structure) == 2 and list(plugin.converted) == [True]

@@ -74,6 +74,119 @@ def _precision_error(precision: object) -> OptionError:
     )
 
 
+class _Router:
+    """Binds a module's ``forward`` to graphs converted from it, for the duration of a step.
+
+    One conversion per training mode and input structure, made on first use with the step's
+    inputs; the conversion, its self-check and later conversions for other shapes see the module's
+    own forward. ``owner`` and ``recipe`` name the plugin and the eager recipe in messages.
+    """
+
+    def __init__(
+        self, target: nn.Module, root: nn.Module, *, dtype: torch.dtype, device: str, config: Config, self_check: str,
+        owner: str, recipe: str,
+    ) -> None:
+        self.target, self.root = target, root
+        self.dtype, self.device, self.config, self.self_check = dtype, device, config, self_check
+        self.owner, self.recipe = owner, recipe
+        self.converted: dict[bool, nn.Module] = {}  # the first conversion of each training mode
+        self.by_structure: dict[tuple, nn.Module] = {}
+        self.calls = 0
+        self._busy = False
+        self._warned: set[bool] = set()
+
+    @contextlib.contextmanager
+    def routed(self) -> Iterator[None]:
+        target = self.target
+        previous = target.__dict__.get("forward")  # an instance-level forward of the user's, if any
+        eager = previous if previous is not None else type(target).forward.__get__(target)
+
+        @functools.wraps(eager)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            # Conversion, its self-check and a shape class's conversion call the model: eagerly.
+            if self._busy:
+                return eager(*args, **kwargs)
+            self.calls += 1
+            self._busy = True
+            try:
+                amp = self._converted_for(previous, args, kwargs)
+                if not torch.is_grad_enabled() and self._eager_without_grad(amp):
+                    return eager(*args, **kwargs)  # under the step's autocast: the recipe's own program
+                return amp(*args, **kwargs)
+            finally:
+                self._busy = False
+
+        target.forward = forward
+        try:
+            yield
+        finally:
+            if previous is None:
+                del target.forward
+            else:
+                target.forward = previous
+
+    def _converted_for(self, previous: Any, args: tuple, kwargs: dict) -> nn.Module:
+        target = self.target
+        # A graph holds one input structure (positional count, keyword names, non-tensor values);
+        # a step that calls the forward another way gets a conversion of its own.
+        key = (target.training, input_signature(args, kwargs))
+        try:
+            amp = self.by_structure.get(key)
+        except TypeError:  # an unhashable non-tensor argument: the mode's graph says what differs
+            key, amp = None, self.converted.get(target.training)
+        if amp is not None:
+            return amp
+        import graphamp
+
+        # Tracing must see the model's own forward, and a step under inference_mode (validation)
+        # hands in inference tensors, which a conversion (capture, self-check with grad) cannot use.
+        routed = target.__dict__.pop("forward")
+        if previous is not None:
+            target.forward = previous
+        try:
+            with (
+                torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]),
+                _same_containers(self.root), warnings.catch_warnings(record=True) as caught,
+            ):
+                warnings.simplefilter("always")
+                ex_args, ex_kwargs = pytree.tree_map(_normal_tensor, (args, kwargs))
+                amp = graphamp.convert(
+                    target, ex_args, ex_kwargs, dtype=self.dtype, device_type=self.device, config=self.config,
+                    self_check=self.self_check,
+                )
+        finally:
+            target.forward = routed
+        for w in caught:
+            # A difference only without grad is the router's to handle (_eager_without_grad).
+            if not (issubclass(w.category, PolicyDriftWarning) and _NO_GRAD_ONLY in str(w.message)):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self.converted.setdefault(target.training, amp)
+        if key is not None:
+            self.by_structure[key] = amp
+        return amp
+
+    def _eager_without_grad(self, amp: nn.Module) -> bool:
+        """Whether calls without grad run the model eagerly: the conversion's self-check found that
+        without grad eager takes another kernel path than the graph (a fused inference kernel such
+        as nn.MultiheadAttention's), so the graph would not give the recipe's numbers."""
+        check = amp.meta.get(SELF_CHECK_META)
+        problem = check.get("problem", "") if isinstance(check, dict) else getattr(check, "problem", "")
+        if not problem.startswith(_NO_GRAD_ONLY):
+            return False
+        training = self.target.training
+        if training not in self._warned:
+            self._warned.add(training)
+            warnings.warn(
+                f"{self.owner}: {type(self.target).__name__}'s calls without grad in {'training' if training else 'eval'} "
+                f"mode (validation, test, predict) run in eager autocast, as {self.recipe} runs them: without grad "
+                f"eager takes another kernel path than graphamp's graph ({problem[:200]}). Calls with grad run "
+                "the converted graph. Results are the recipe's either way.",
+                PolicyDriftWarning,
+                stacklevel=3,
+            )
+        return True
+
+
 class GraphampPrecision(MixedPrecision):
     """Lightning's ``MixedPrecision`` with the model's forward converted by graphamp.
 
@@ -156,13 +269,12 @@ class GraphampPrecision(MixedPrecision):
         self.module_name = module
         self.config = dataclasses.replace(config or Config(), cache_enabled=False)
         self.self_check = self_check
-        self.converted: dict[bool, nn.Module] = {}
-        self._by_structure: dict[tuple, nn.Module] = {}
         self._lightning_module: pl.LightningModule | None = None
-        self._target: nn.Module | None = None
-        self._calls = 0
-        self._busy = False
-        self._warned: set[bool] = set()
+        self._router: _Router | None = None
+
+    @property
+    def converted(self) -> dict[bool, nn.Module]:
+        return self._router.converted if self._router is not None else {}
 
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> tuple[nn.Module, list, list]:
         if not isinstance(model, pl.LightningModule):
@@ -172,9 +284,7 @@ class GraphampPrecision(MixedPrecision):
                 "graphamp.TrainStep, which converts the model and loss under DistributedDataParallel."
             )
         self._lightning_module = model
-        self._target = self._find_target(model)
-        self.converted.clear()  # a new fit/validate/...: convert this model afresh
-        self._by_structure.clear()
+        target = self._find_target(model)
         device = self._device_given or model.device.type
         if device not in DEVICE_TYPES:
             raise OptionError(
@@ -184,6 +294,11 @@ class GraphampPrecision(MixedPrecision):
         if self.precision == "16-mixed" and not self._scaler_given and device != self.device:
             self.scaler = torch.amp.GradScaler(device=device)
         self.device = device
+        # A new fit/validate/...: this model, converted afresh.
+        self._router = _Router(
+            target, model, dtype=self.dtype, device=device, config=self.config, self_check=self.self_check,
+            owner="GraphampPrecision", recipe=f"precision={self.precision!r}",
+        )
         return super().connect(model, optimizers, lr_schedulers)
 
     def _find_target(self, model: pl.LightningModule) -> nn.Module:
@@ -201,10 +316,10 @@ class GraphampPrecision(MixedPrecision):
 
     @contextlib.contextmanager
     def train_step_context(self) -> Iterator[None]:
-        before = self._calls
+        before = self._router.calls if self._router is not None else 0
         with super().train_step_context(), self._routed():
             yield
-        if True not in self.converted and self._calls == before:
+        if self._router is not None and True not in self.converted and self._router.calls == before:
             raise self._nothing_converted()
 
     @contextlib.contextmanager
@@ -222,99 +337,9 @@ class GraphampPrecision(MixedPrecision):
         with super().predict_step_context(), self._routed():
             yield
 
-    @contextlib.contextmanager
-    def _routed(self) -> Iterator[None]:
-        """Bind the target's ``forward`` to its converted graph for the duration of one step."""
-        target = self._target
-        if target is None:  # not connected (a step run outside Trainer.fit/validate/...)
-            yield
-            return
-        previous = target.__dict__.get("forward")  # an instance-level forward of the user's, if any
-        eager = previous if previous is not None else type(target).forward.__get__(target)
-
-        @functools.wraps(eager)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            # Conversion, its self-check and a shape class's conversion call the model: eagerly.
-            if self._busy:
-                return eager(*args, **kwargs)
-            self._calls += 1
-            self._busy = True
-            try:
-                amp = self._converted_for(target, previous, args, kwargs)
-                if not torch.is_grad_enabled() and self._eager_without_grad(amp, target):
-                    return eager(*args, **kwargs)  # under the step's autocast: Lightning's own program
-                return amp(*args, **kwargs)
-            finally:
-                self._busy = False
-
-        target.forward = forward
-        try:
-            yield
-        finally:
-            if previous is None:
-                del target.forward
-            else:
-                target.forward = previous
-
-    def _converted_for(self, target: nn.Module, previous: Any, args: tuple, kwargs: dict) -> nn.Module:
-        # A graph holds one input structure (positional count, keyword names, non-tensor values);
-        # a step that calls the forward another way gets a conversion of its own.
-        key = (target.training, input_signature(args, kwargs))
-        try:
-            amp = self._by_structure.get(key)
-        except TypeError:  # an unhashable non-tensor argument: the mode's graph says what differs
-            key, amp = None, self.converted.get(target.training)
-        if amp is not None:
-            return amp
-        import graphamp
-
-        # Tracing must see the model's own forward, and a step under inference_mode (validation)
-        # hands in inference tensors, which a conversion (capture, self-check with grad) cannot use.
-        routed = target.__dict__.pop("forward")
-        if previous is not None:
-            target.forward = previous
-        try:
-            with (
-                torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]),
-                _same_containers(self._lightning_module or target), warnings.catch_warnings(record=True) as caught,
-            ):
-                warnings.simplefilter("always")
-                ex_args, ex_kwargs = pytree.tree_map(_normal_tensor, (args, kwargs))
-                amp = graphamp.convert(
-                    target, ex_args, ex_kwargs, dtype=self.dtype, device_type=self.device, config=self.config,
-                    self_check=self.self_check,
-                )
-        finally:
-            target.forward = routed
-        for w in caught:
-            # A difference only without grad is the plugin's to handle (_eager_without_grad).
-            if not (issubclass(w.category, PolicyDriftWarning) and _NO_GRAD_ONLY in str(w.message)):
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        self.converted.setdefault(target.training, amp)
-        if key is not None:
-            self._by_structure[key] = amp
-        return amp
-
-    def _eager_without_grad(self, amp: nn.Module, target: nn.Module) -> bool:
-        """Whether calls without grad (validation, test, predict) run the model eagerly: its self-check
-        found that without grad eager takes another kernel path than the graph (a fused inference
-        kernel such as nn.MultiheadAttention's), so the graph would not give Lightning's numbers."""
-        check = amp.meta.get(SELF_CHECK_META)
-        problem = check.get("problem", "") if isinstance(check, dict) else getattr(check, "problem", "")
-        if not problem.startswith(_NO_GRAD_ONLY):
-            return False
-        if target.training not in self._warned:
-            self._warned.add(target.training)
-            mode = "training" if target.training else "eval"
-            warnings.warn(
-                f"GraphampPrecision: {type(target).__name__}'s calls without grad in {mode} mode (validation, "
-                f"test, predict) run in eager autocast, as precision={self.precision!r} runs them: without grad "
-                f"eager takes another kernel path than graphamp's graph ({problem[:200]}). Steps with grad run "
-                "the converted graph. Results are Lightning's either way.",
-                PolicyDriftWarning,
-                stacklevel=2,
-            )
-        return True
+    def _routed(self) -> contextlib.AbstractContextManager:
+        # Not connected: a step run outside Trainer.fit/validate/test/predict.
+        return self._router.routed() if self._router is not None else contextlib.nullcontext()
 
     def _nothing_converted(self) -> OptionError:
         model = self._lightning_module
