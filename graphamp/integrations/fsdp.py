@@ -32,7 +32,7 @@ from graphamp.errors import (
     InputMismatchError,
     InputShapeError,
 )
-from graphamp.spec import AmpSpec, ambient_autocast
+from graphamp.spec import AmpSpec
 
 __all__ = ["FSDP_META", "FsdpUnitCall", "convert_sharded", "is_sharded", "self_check", "sharded_after_conversion", "sharded_units"]
 
@@ -41,6 +41,8 @@ _FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard"
 # Set while the units are being converted: _convert converts each unit as a plain module then, and
 # each nested unit's call is recorded as one node instead of running.
 _CONVERTING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_fsdp_converting", default=False)
+# Set while a converted graph runs on its example: each nested unit records the inputs it gets.
+_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_fsdp_recording", default=False)
 
 
 def _fsdp_module_class() -> type | None:
@@ -71,6 +73,7 @@ class _Unit:
         self.module = module
         self.amp: nn.Module | None = None
         self.out_spec: pytree.TreeSpec | None = None  # the forward's output structure (set at capture)
+        self.example: tuple[tuple, dict] | None = None  # its inputs on the example (during conversion)
         self.links: list[tuple[nn.Module, str, nn.Module]] = []
 
     def __deepcopy__(self, memo: dict) -> _Unit:
@@ -152,6 +155,8 @@ class FsdpUnitCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, unit: _Unit, spec: pytree.TreeSpec, *leaves: Any) -> tuple:
         args, kwargs = pytree.tree_unflatten(list(leaves), spec)
+        if _RECORDING.get() and unit.example is None:
+            unit.example = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
         module = unit.module
         out = type(module).forward(module, *args, **kwargs)  # the model's own forward, no hooks
         flat, unit.out_spec = pytree.tree_flatten(out)
@@ -260,35 +265,30 @@ def _check_units(units: list[tuple[str, nn.Module]]) -> None:
             )
 
 
-def _record_examples(model: nn.Module, units: list[nn.Module], args: tuple, kwargs: dict, spec: AmpSpec) -> dict[int, tuple]:
-    """Each unit's inputs in one eager autocast forward of the example (what its graph will get);
-    the model's buffers and the random state are restored after."""
+def _record_nested(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Run ``amp`` once on its example, so that each nested unit it calls records its inputs: what
+    that unit's graph will get from this graph (not from eager, whose path may differ from the
+    traced one: Hugging Face builds an explicit attention mask when traced, none in eager SDPA).
+    Nested units run their own eager forward under eager's autocast state there; the model's
+    buffers and the random state are restored after."""
     from graphamp.probe import _state_restored
 
-    seen: dict[int, tuple] = {}
-
-    def record(module: nn.Module, a: tuple, kw: dict) -> None:
-        if id(module) not in seen:
-            seen[id(module)] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), (a, kw))
-
-    # Registered after FSDP's pre-hook (which is prepended): the inputs as the forward sees them.
-    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in units]
+    token = _RECORDING.set(True)
     try:
-        with _state_restored(model), torch.no_grad(), ambient_autocast(spec.device_type, spec.dtype):
-            model(*args, **kwargs)
+        with _state_restored(model), torch.no_grad():
+            amp(*args, **kwargs)
     finally:
-        for handle in handles:
-            handle.remove()
-    return seen
+        _RECORDING.reset(token)
 
 
 def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> nn.Module:
-    """Convert a model holding FSDP2 units: each unit on its own, then ``model`` with its outermost
-    units as nested calls. Returns ``model``'s converted module (an AmpModule); its parameters are
-    the model's (sharded) parameters.
+    """Convert a model holding FSDP2 units: ``model`` with its outermost units as nested calls,
+    then each unit on its own, outer units first, each with the inputs its enclosing graph passes
+    it on the example. Returns ``model``'s converted module (an AmpModule); its parameters are the
+    model's (sharded) parameters.
 
-    Every rank must call this together: it runs the example once (FSDP all-gathers) and gathers
-    every unit's parameters for the capture, then frees them again.
+    Every rank must call this together: it gathers every unit's parameters (FSDP all-gathers) for
+    the capture and for one run of each graph on its example, then frees them again.
     """
     from graphamp.convert import _convert  # convert dispatches here
 
@@ -297,21 +297,23 @@ def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, 
     modules = [m for _, m in named]
     units = {id(m): _Unit(path, m) for path, m in named}
     with torch.no_grad():  # the all-gathers' copies need no autograd record
-        examples = _record_examples(model, modules, args, kwargs, spec)
-    for unit in units.values():
-        if id(unit.module) not in examples:
-            raise CaptureError(
-                f"the FSDP unit {unit.path or '<root>'} ({type(unit.module).__name__}) did not run in the "
-                "example's forward, so graphamp has no example of its inputs to convert it with. Way out: "
-                "pass an example that runs every sharded module, or torch.compile(model, backend=\"graphamp\")."
-            )
-    for m in modules:
-        m.unshard()
+        for m in modules:
+            m.unshard()
     try:
         with _fsdp_hooks_off(modules), _converting():
-            for path, m in reversed(named):  # the units inside a unit first
+            with _stubbed(_nested(model, units, include_self=True)):
+                top = _convert(model, args, kwargs, spec, check=check)
+            _describe_unit_calls(top)
+            _record_nested(top, model, args, kwargs)
+            for _, m in named:  # a unit before the units inside it
                 unit = units[id(m)]
-                unit_args, unit_kwargs = examples[id(m)]
+                if unit.example is None:
+                    raise CaptureError(
+                        f"the FSDP unit {unit.path or '<root>'} ({type(m).__name__}) did not run in the example's "
+                        "forward, so graphamp has no example of its inputs to convert it with. Way out: pass an "
+                        "example that runs every sharded module, or torch.compile(model, backend=\"graphamp\")."
+                    )
+                unit_args, unit_kwargs = unit.example
                 nested = _nested(m, units)
                 try:
                     with _stubbed(nested):
@@ -319,10 +321,10 @@ def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, 
                 except GraphampError as e:
                     raise _in_unit(e, unit) from e
                 _describe_unit_calls(amp)
+                if nested:
+                    _record_nested(amp, m, unit_args, unit_kwargs)
                 unit.bind(amp, nested)
-            with _stubbed(_nested(model, units, include_self=True)):
-                top = _convert(model, args, kwargs, spec, check=check)
-            _describe_unit_calls(top)
+                unit.example = None  # the tensors are not kept
     finally:
         for m in modules:
             m.reshard()
