@@ -27,6 +27,16 @@ VOCAB, SEQ, STEPS = 64, 8, 10
 pytestmark = pytest.mark.filterwarnings(f"ignore::{EagerPathWarning.__module__}.{EagerPathWarning.__name__}")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _clean_accelerate_state():
+    """Trainer leaves accelerate's process-wide state set up; later tests and doctests in this
+    worker (GraphampDynamoPlugin refuses to be ignored by an existing state) start clean."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def tiny_llama(kv_heads: int = 2, layers: int = 1) -> torch.nn.Module:
     """A LlamaForCausalLM, hidden 32, 4 heads, grouped-query attention for kv_heads < 4 (one layer
     keeps conversion and compilation short; every layer is the same program)."""
@@ -156,7 +166,16 @@ def test_accelerator_with_graphamp_plugin_is_bitwise_to_accelerate_bf16():
     assert not torch.equal(model.lm_head.weight, initial.lm_head.weight)
 
 
-def test_graphamp_plugin_passes_backend_and_options_and_refuses_wrong_ones(monkeypatch):
+@pytest.fixture
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_graphamp_plugin_passes_backend_and_options_and_refuses_wrong_ones(monkeypatch, fresh_accelerate_state):
     plugin = GraphampDynamoPlugin(options={"inner": "eager"}, mode="default")
     assert plugin.to_kwargs() == {"backend": "graphamp", "options": {"inner": "eager"}}
     assert plugin.to_dict()["backend"] == "graphamp"
@@ -171,6 +190,25 @@ def test_graphamp_plugin_passes_backend_and_options_and_refuses_wrong_ones(monke
         GraphampDynamoPlugin(options={"innr": "eager"})
     with pytest.raises(OptionError, match="as a dict"):
         GraphampDynamoPlugin(options=["inner"])
+
+
+def test_graphamp_plugin_refuses_to_be_ignored_by_an_existing_accelerator(fresh_accelerate_state):
+    """accelerate keeps the first Accelerator's state, dynamo plugin included: a later Accelerator
+    would silently compile nothing."""
+    from accelerate import Accelerator
+
+    Accelerator(cpu=True)
+    with pytest.raises(OptionError, match="would ignore it and compile nothing"):
+        GraphampDynamoPlugin()
+    fresh = {"inner": "eager"}
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(cpu=True, dynamo_plugin=GraphampDynamoPlugin(options=fresh))
+    assert accelerator.state.dynamo_plugin.to_kwargs()["backend"] == "graphamp"
+    GraphampDynamoPlugin(options=fresh)  # the same plugin again is what the state holds: no error
+    with pytest.raises(OptionError, match="compile nothing"):
+        GraphampDynamoPlugin(options={"inner": "inductor"})
 
 
 def test_accelerate_refuses_the_backend_name_documented():

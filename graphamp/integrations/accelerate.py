@@ -9,7 +9,9 @@ argument, with this subclass of its ``TorchDynamoPlugin``: ``Accelerator.prepare
 ``torch.compile(model, backend="graphamp", options=...)`` last, as it does for its own backends,
 around the model it has wrapped (DDP, and the forward it runs under ``torch.autocast`` for
 ``mixed_precision="bf16"``/``"fp16"``). graphamp's compiled code switches that autocast off, so its
-casts are the only ones applied.
+casts are the only ones applied. accelerate keeps one state per process and a later Accelerator keeps
+the first one's dynamo plugin, silently; the plugin raises :class:`graphamp.OptionError` when it
+would be ignored so.
 
 For ``transformers.Trainer``, which builds its Accelerator itself, see
 :mod:`graphamp.integrations.transformers` (``compile`` and ``prepare``).
@@ -26,6 +28,7 @@ from graphamp.backend.options import BackendOptions
 from graphamp.errors import OptionError
 
 try:
+    from accelerate.state import AcceleratorState, is_initialized
     from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 except ImportError as e:  # pragma: no cover - exercised only without the optional dependency
     raise ImportError("graphamp.integrations.accelerate needs accelerate: pip install accelerate") from e
@@ -82,6 +85,7 @@ class GraphampDynamoPlugin(TorchDynamoPlugin):
             self.backend = backend
             if saved is not None:
                 os.environ["ACCELERATE_DYNAMO_BACKEND"] = saved
+        _check_not_ignored(self)
 
     def to_dict(self) -> dict[str, Any]:
         config = {k: v for k, v in self.__dict__.items() if k != "backend"}
@@ -94,6 +98,24 @@ class GraphampDynamoPlugin(TorchDynamoPlugin):
         defaults.__dict__.update(mode="default", fullgraph=False, dynamic=None, options=None, disable=False)
         kwargs = {k: v for k, v in self.to_dict().items() if k in defaults.__dict__ and defaults.__dict__[k] != v}
         return {"backend": BACKEND, **kwargs}
+
+
+def _check_not_ignored(plugin: GraphampDynamoPlugin) -> None:
+    """accelerate keeps one state per process, and an Accelerator made after the first (a Trainer
+    makes one) keeps the first one's dynamo plugin without a word: this one would compile nothing."""
+    if not is_initialized():
+        return
+    current = AcceleratorState().dynamo_plugin
+    if isinstance(current, GraphampDynamoPlugin) and current.to_kwargs() == plugin.to_kwargs():
+        return
+    raise OptionError(
+        "an Accelerator (or a transformers Trainer) has already set up accelerate's state in this process, "
+        f"with dynamo plugin {current!r}; accelerate keeps that state, so an Accelerator made with this "
+        "GraphampDynamoPlugin would ignore it and compile nothing. Way out: pass the plugin to the process's "
+        "first Accelerator, or compile the model yourself before accelerator.prepare(...) (accelerate does "
+        "not compile a compiled module): torch.compile(model, backend='graphamp', options=...), or for a "
+        "transformers model graphamp.integrations.transformers.compile(model, options=...)"
+    )
 
 
 def check_backend_name(backend: object, *, where: str) -> None:
