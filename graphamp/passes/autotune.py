@@ -9,6 +9,11 @@ choice implies, in the low dtype against fp32:
 * fp32: the casts of its low inputs up (those of an op already raised are not needed), then the op,
   then the cast of its output down where it flows into another low-precision op.
 
+Where the conversion keeps a gradient path (not ``inference=True``), each timing runs the op's
+backward too: the gradients of its floating inputs, through the casts (whose backward is a cast
+back), from a gradient of ones at its output. A training step pays both, and on a CPU that
+emulates the low dtype the backward's two matmuls can move the balance either way.
+
 Both also run the ops after it whose dtype its choice decides (a single-consumer chain of batch
 norm, activations, views... up to the next such op), since raising an op moves them to fp32 too.
 
@@ -68,12 +73,14 @@ _log = logging.getLogger("graphamp")
 
 
 class Trial(NamedTuple):
-    """What one timing runs: ``op`` computing in ``dtype`` on inputs of ``shapes``, casts included."""
+    """What one timing runs: ``op`` computing in ``dtype`` on inputs of ``shapes``, casts included;
+    with ``backward``, its backward too (the gradient of every floating input, through the casts)."""
 
     op: str
     dtype: torch.dtype
     shapes: tuple[tuple[int, ...], ...]
     device: torch.device
+    backward: bool = False
 
 
 # A timer takes a zero-argument callable and its trial, and returns seconds per call.
@@ -396,25 +403,36 @@ class _Candidate:
             out += "|then " + ",".join(op_key(n.target) if isinstance(n.target, torch._ops.OpOverload) else "getitem" for n in self.chain)
         return f"{self.op}|{short_dtype(self.low)}|{'|'.join(key)}|{constants!r}{out}", kinds
 
-    def runs(self, kinds: dict[Node, str]) -> tuple[Callable[[], Any], Callable[[], Any], Trial, Trial]:
-        """The low and fp32 callables of this op on random inputs of its example's sizes, with their trials."""
+    def runs(self, kinds: dict[Node, str], *, backward: bool = False) -> tuple[Callable[[], Any], Callable[[], Any], Trial, Trial]:
+        """The low and fp32 callables of this op on random inputs of its example's sizes, with their
+        trials; with ``backward``, each call also computes the gradients of the floating inputs."""
         node, low = self.node, self.low
         cast = torch.ops.aten._to_copy.default
         made: dict[Node, tuple[Callable[[], Any], Callable[[], Any]]] = {}
+        leaves: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # per variant: what backward differentiates
+
+        def leaf(x: Any, *variants: int) -> Any:
+            if backward and isinstance(x, torch.Tensor) and x.is_floating_point():
+                x = x.detach().requires_grad_(True)
+                for v in variants:
+                    leaves[v].append(x)
+            return x
+
         for arg, kind in kinds.items():
             val = arg.meta.get("val")
             if kind == "other":
-                x = _example(val) if isinstance(val, torch.Tensor) else val
+                x = leaf(_example(val), 0, 1) if isinstance(val, torch.Tensor) else val
                 made[arg] = (lambda x=x: x, lambda x=x: x)
             elif kind in ("fp32-cast", "raised-cast"):
-                x32 = _example(val, torch.float32)
+                x32 = leaf(_example(val, torch.float32), 0, 1)
                 made[arg] = (lambda x=x32: cast(x, dtype=low), lambda x=x32: x)
             elif kind in ("frozen", "paid"):
                 x32 = _example(val, torch.float32)
-                x = x32.to(low)
+                x = leaf(x32.to(low), 0)
+                x32 = leaf(x32, 1)
                 made[arg] = (lambda x=x: x, lambda x=x32: x)
             else:
-                x = _example(val)
+                x = leaf(_example(val), 0, 1)
                 made[arg] = (lambda x=x: x, lambda x=x: cast(x, dtype=torch.float32))
 
         def bind(variant: int) -> Callable[[], Any]:
@@ -449,7 +467,12 @@ class _Candidate:
                 out = plain_fp32()
                 return cast(out, dtype=low) if isinstance(out, torch.Tensor) else out
 
-        return run_low, run_fp32, Trial(self.op, low, shapes, device), Trial(self.op, torch.float32, shapes, device)
+        if backward:
+            run_low, run_fp32 = _with_backward(run_low, leaves[0]), _with_backward(run_fp32, leaves[1])
+        return (
+            run_low, run_fp32,
+            Trial(self.op, low, shapes, device, backward), Trial(self.op, torch.float32, shapes, device, backward),
+        )
 
     def _then_chain(self, run: Callable[[], Any]) -> Callable[[], Any]:
         if not self.chain:
@@ -480,6 +503,21 @@ class _Candidate:
 
 
 _PREVIOUS = object()  # where a chained op takes the previous op's output
+
+
+def _with_backward(run: Callable[[], Any], leaves: list[torch.Tensor]) -> Callable[[], Any]:
+    """``run`` followed by its backward: the gradients of ``leaves`` from ones at every floating
+    output that needs one (nothing more when no output does)."""
+
+    def forward_backward() -> Any:
+        with torch.enable_grad():
+            out = run()
+            outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs and leaves:
+                torch.autograd.grad(outs, leaves, [torch.ones_like(t) for t in outs], allow_unused=True)
+        return out
+
+    return forward_backward
 
 
 def _candidates(gm: GraphModule, spec: AmpSpec) -> list[_Candidate]:
@@ -620,12 +658,14 @@ def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model
     timed_now: set[str] = set()
     unsettled: dict[str, tuple[float, float]] = {}  # timings too disturbed to keep in the cache
     paid: set[Node] = set()  # casts down an op kept low makes, which later ops share for free
+    # A training conversion is timed forward and backward: a step pays both.
+    backward = not spec.inference and not spec.grad_free
     # Timed chains may hold dropout: the random state is the caller's again after measuring.
     with torch.no_grad(), _random_state_kept(spec.device_type):
         for c in candidates:
             name, low = c.node.name, c.low
             key, kinds = c.classify(set(raised), paid)
-            key = f"{machine}|{key}"
+            key = f"{machine}|{key}" + ("|fwd+bwd" if backward else "")
             times = unsettled.get(key) or cache.get(key)
             source = "cache"
             if times is None or key in timed_now:
@@ -637,7 +677,7 @@ def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model
                     continue
                 if times is None:
                     try:
-                        run_low, run_fp32, trial_low, trial_fp32 = c.runs(kinds)
+                        run_low, run_fp32, trial_low, trial_fp32 = c.runs(kinds, backward=backward)
                         *times, settled = _time_pair(settings.timer, run_low, trial_low, run_fp32, trial_fp32)
                     except Exception as e:  # an op graphamp cannot time alone keeps autocast's dtype
                         decisions[name] = low
