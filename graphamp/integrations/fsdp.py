@@ -26,12 +26,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from graphamp.errors import (
-    CaptureError,
-    GraphampError,
-    InputMismatchError,
-    InputShapeError,
-)
+from graphamp.errors import CaptureError, GraphampError, InputMismatchError
 from graphamp.spec import AmpSpec
 
 __all__ = ["FSDP_META", "FsdpUnitCall", "convert_sharded", "is_sharded", "self_check", "sharded_after_conversion", "sharded_units"]
@@ -122,12 +117,13 @@ class _Unit:
         amp.refresh()
         try:
             return amp(*args, **kwargs)
-        except InputShapeError as e:
-            raise InputShapeError(
+        except InputMismatchError as e:  # shape class or input structure: same type, said for FSDP
+            raise type(e)(
                 f"the FSDP unit {self.path or '<root>'} ({type(self.module).__name__}) was converted for the "
-                f"example's sizes, and these inputs need another conversion, which cannot run inside FSDP's "
-                f"forward ({e}). Way out: convert with an example of these sizes, pad inputs to the "
-                "example's, or torch.compile(model, backend=\"graphamp\")."
+                "inputs its enclosing graph passed it on the example, and these need another conversion (other "
+                f"sizes or structure), which cannot run inside FSDP's forward: {e} Way out: convert with an "
+                "example like these inputs, pad inputs to the example's sizes, or torch.compile(model, "
+                "backend=\"graphamp\")."
             ) from e
 
     def call(self, spec: pytree.TreeSpec, leaves: tuple) -> tuple:
