@@ -194,7 +194,7 @@ class AmpModule(GraphModule):
             return self
         training = self.training
         base = self if training == info.training else self._mode_variant((training, False), args, kwargs)
-        if not info.inference and not info.grad_free and not torch.is_grad_enabled() and base.meta.get(FUSED_WITHOUT_GRAD):
+        if not info.inference and not info.grad_free and base.meta.get(FUSED_WITHOUT_GRAD) and not _needs_grad(self, args, kwargs):
             return self._mode_variant((training, True), args, kwargs)
         return base
 
@@ -619,6 +619,16 @@ def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tup
     _in_model_order(amp, model)
     amp.recompile()
     return amp
+
+
+def _needs_grad(amp: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call builds an autograd graph: eager's fused encoder kernels run where it does not
+    (no grad mode, or no parameter and no input that requires grad)."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(p.requires_grad for p in amp.parameters()) or any(
+        t.requires_grad for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+    )
 
 
 def bind_model(amp: AmpModule, model: nn.Module) -> None:

@@ -100,6 +100,19 @@ def test_transformer_encoder_without_grad_takes_eagers_fused_kernel(dtype):
     assert_exact(model, amp, args, kwargs, dtype)  # with grad: the ordinary ops, as eager
 
 
+def test_frozen_encoder_with_grad_enabled_takes_the_fused_kernel_too():
+    # Eager's fast path asks whether the call builds an autograd graph, not only the grad mode.
+    case = zoo.build("transformer_encoder")
+    model = case.model.eval()
+    args, kwargs = case.make_inputs(2, 8)
+    amp = graphamp.convert(model, args, kwargs)
+    model.requires_grad_(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(*args, **kwargs)
+    assert_same_outputs(amp(*args, **kwargs), want)
+    model.requires_grad_(True)
+
+
 def _fused_eager(model, x, dtype):
     with torch.autocast("cpu", dtype=dtype):
         return model(x)
