@@ -1,4 +1,5 @@
-"""PyTorch Lightning: ``Trainer(plugins=[GraphampPrecision("bf16-mixed")])``, bitwise to ``precision="bf16-mixed"``.
+"""PyTorch Lightning: ``Trainer(plugins=[GraphampPrecision("bf16-mixed")])``, bitwise to ``precision="bf16-mixed"``;
+``Fabric(plugins=[GraphampFabricPrecision("bf16-mixed")])``, bitwise to ``Fabric(precision="bf16-mixed")``.
 
 Lightning's ``MixedPrecision`` plugin runs every step (``training_step``, ``validation_step``, ...)
 under ``torch.autocast(device, dtype, cache_enabled=False)``. :class:`GraphampPrecision` keeps that
@@ -27,6 +28,7 @@ Lightning's, only the speed-up is lost there.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import warnings
@@ -45,31 +47,37 @@ from graphamp.self_check import SELF_CHECK_META
 
 try:
     import pytorch_lightning as pl
+    from lightning_fabric.plugins.precision import (
+        MixedPrecision as FabricMixedPrecision,
+    )
     from pytorch_lightning.plugins.precision import MixedPrecision
 except ImportError as e:  # pragma: no cover - exercised only without the optional dependency
     raise ImportError(
         "graphamp.integrations.lightning needs PyTorch Lightning: pip install pytorch-lightning"
     ) from e
 
-__all__ = ["GraphampPrecision"]
+__all__ = ["GraphampFabricPrecision", "GraphampPrecision"]
 
 _PRECISIONS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _SELF_CHECKS = ("raise", "warn", "off")
 _NO_GRAD_ONLY = "under torch.no_grad"  # how convert's self-check words a difference only without grad
+# Set while a conversion (or its self-check) runs a model eagerly: every routed forward is eager
+# then, including another routed module's called inside it.
+_CONVERTING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_lightning_converting", default=False)
 
 
-def _precision_error(precision: object) -> OptionError:
+def _precision_error(precision: object, owner: str = "GraphampPrecision", flag: str = "Trainer") -> OptionError:
     if precision in ("32", "32-true", 32, "64", "64-true", 64):
-        way_out = f"train in full precision with Trainer(precision={precision!r}) and no graphamp plugin"
+        way_out = f"train in full precision with {flag}(precision={precision!r}) and no graphamp plugin"
     elif precision in ("bf16-true", "16-true", "bf16", "16", 16, "transformer-engine", "transformer-engine-float16"):
         way_out = (
-            f"Trainer(precision={precision!r}) without this plugin (graphamp reproduces autocast, which keeps "
-            "weights in fp32), or GraphampPrecision('bf16-mixed') / GraphampPrecision('16-mixed') for mixed precision"
+            f"{flag}(precision={precision!r}) without this plugin (graphamp reproduces autocast, which keeps "
+            f"weights in fp32), or {owner}('bf16-mixed') / {owner}('16-mixed') for mixed precision"
         )
     else:
-        way_out = "GraphampPrecision('bf16-mixed'), or GraphampPrecision('16-mixed') for fp16 with a GradScaler"
+        way_out = f"{owner}('bf16-mixed'), or {owner}('16-mixed') for fp16 with a GradScaler"
     return OptionError(
-        f"GraphampPrecision(precision={precision!r}): graphamp converts autocast's mixed precision, which "
+        f"{owner}(precision={precision!r}): graphamp converts autocast's mixed precision, which "
         f"Lightning names 'bf16-mixed' and '16-mixed'. Way out: {way_out}."
     )
 
@@ -92,7 +100,6 @@ class _Router:
         self.converted: dict[bool, nn.Module] = {}  # the first conversion of each training mode
         self.by_structure: dict[tuple, nn.Module] = {}
         self.calls = 0
-        self._busy = False
         self._warned: set[bool] = set()
 
     @contextlib.contextmanager
@@ -104,17 +111,17 @@ class _Router:
         @functools.wraps(eager)
         def forward(*args: Any, **kwargs: Any) -> Any:
             # Conversion, its self-check and a shape class's conversion call the model: eagerly.
-            if self._busy:
+            if _CONVERTING.get():
                 return eager(*args, **kwargs)
             self.calls += 1
-            self._busy = True
+            token = _CONVERTING.set(True)
             try:
                 amp = self._converted_for(previous, args, kwargs)
                 if not torch.is_grad_enabled() and self._eager_without_grad(amp):
                     return eager(*args, **kwargs)  # under the step's autocast: the recipe's own program
                 return amp(*args, **kwargs)
             finally:
-                self._busy = False
+                _CONVERTING.reset(token)
 
         target.forward = forward
         try:
@@ -383,3 +390,115 @@ def _normal_tensor(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.is_inference():
         return value.clone()
     return value
+
+
+class GraphampFabricPrecision(FabricMixedPrecision):
+    """Lightning Fabric's ``MixedPrecision`` with each module's forward converted by graphamp.
+
+    ``Fabric(precision="bf16-mixed")`` casts a module's floating inputs to bf16, runs its forward
+    under ``torch.autocast(device, dtype)`` (with the weight-cast cache, unlike the Trainer's plugin),
+    and casts floating outputs back to fp32; the loss and backward run outside autocast. This plugin
+    keeps all of that and runs each forward as a graph converted on its first call (per module
+    ``fabric.setup`` was given, training mode and input structure), so outputs, gradients and
+    parameters are bitwise those of ``Fabric(precision=...)``; ``"16-mixed"`` keeps Fabric's GradScaler.
+
+    Args:
+        precision: ``"bf16-mixed"`` or ``"16-mixed"``.
+        device: the autocast device, ``"cpu"`` or ``"cuda"``; None takes each module's at its first call.
+        scaler: a ``torch.amp.GradScaler`` of your own for ``"16-mixed"``; None makes one.
+        config: a :class:`graphamp.Config`; ``cache_enabled`` must stay True, as Fabric's autocast runs.
+        self_check: as :func:`graphamp.convert`'s ("raise", "warn", "off").
+
+    >>> from lightning_fabric import Fabric
+    >>> fabric = Fabric(accelerator="cpu", plugins=[GraphampFabricPrecision("bf16-mixed")])
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    >>> model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> loss = nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 1))
+    >>> fabric.backward(loss)
+    >>> opt.step()
+    >>> assert list(fabric.strategy.precision.converted) == [True]
+    """
+
+    def __init__(
+        self,
+        precision: str = "bf16-mixed",
+        device: str | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        config: Config | None = None,
+        self_check: str = "raise",
+    ) -> None:
+        owner = "GraphampFabricPrecision"
+        if not isinstance(precision, str) or precision not in _PRECISIONS:
+            raise _precision_error(precision, owner, "Fabric")
+        if device is not None and device not in DEVICE_TYPES:
+            raise OptionError(
+                f"{owner}(device={device!r}): graphamp has autocast policies for {DEVICE_TYPES}. "
+                f"Way out: Fabric(precision={precision!r}) without this plugin on {device!r}."
+            )
+        if scaler is not None and precision == "bf16-mixed":
+            raise OptionError(
+                f"{owner}('bf16-mixed') got a GradScaler: bf16 needs no loss scaling, and Fabric's bf16-mixed uses "
+                f"none. Way out: drop scaler=, or use {owner}('16-mixed', scaler=...)."
+            )
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise OptionError(f"{owner}(scaler=...) must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if config is not None and not isinstance(config, Config):
+            raise OptionError(f"{owner}(config=...) must be a graphamp.Config, got {type(config).__name__}")
+        if config is not None and not config.cache_enabled:
+            raise OptionError(
+                f"{owner}(config=Config(cache_enabled=False)): Fabric's {precision} runs torch.autocast with its "
+                "weight-cast cache, which the graph must reproduce. Way out: drop cache_enabled=False (the "
+                "Trainer's GraphampPrecision runs without the cache, as Trainer(precision=...) does)."
+            )
+        if self_check not in _SELF_CHECKS:
+            raise OptionError(f"{owner}(self_check={self_check!r}) is not one of {_SELF_CHECKS}")
+        super().__init__(precision, device or "cpu", scaler)
+        self._device_given = device
+        self._scaler_given = scaler is not None
+        self.dtype = _PRECISIONS[precision]
+        self.config = config or Config()
+        self.self_check = self_check
+        self._modules: list[nn.Module] = []
+        self._routers: dict[int, _Router] = {}
+
+    @property
+    def converted(self) -> dict[bool, nn.Module]:
+        """The first module's conversions by training mode (True for ``train()``), once made."""
+        router = self._routers.get(id(self._modules[0])) if self._modules else None
+        return router.converted if router is not None else {}
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        # fabric.setup hands each module here before the strategy wraps it: the module Fabric's
+        # wrapper calls inside forward_context, whose forward is routed then. Not modified.
+        if all(m is not module for m in self._modules):
+            self._modules.append(module)
+        return super().convert_module(module)
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(super().forward_context())
+            for module in self._modules:
+                stack.enter_context(self._router_for(module).routed())
+            yield
+
+    def _router_for(self, module: nn.Module) -> _Router:
+        router = self._routers.get(id(module))
+        if router is None:
+            device = self._device_given or next(
+                (t.device.type for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()), "cpu"
+            )
+            if device not in DEVICE_TYPES:
+                raise OptionError(
+                    f"{type(module).__name__} is on {device!r}, where graphamp has no autocast policy "
+                    f"({DEVICE_TYPES}). Way out: Fabric(precision={self.precision!r}) without GraphampFabricPrecision."
+                )
+            if self.precision == "16-mixed" and not self._scaler_given and device != self.device:
+                self.scaler = torch.amp.GradScaler(device=device)
+            self.device = device
+            router = self._routers[id(module)] = _Router(
+                module, module, dtype=self.dtype, device=device, config=self.config, self_check=self.self_check,
+                owner="GraphampFabricPrecision", recipe=f"Fabric(precision={self.precision!r})",
+            )
+        return router
