@@ -31,6 +31,7 @@ Other columns:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -48,6 +49,7 @@ from torch.utils import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphamp
+from graphamp.compiled import inductor_freezing
 from graphamp.testing import zoo
 from graphamp.verify.reference import count_casts, lowered_graph
 from graphamp.spec import DTYPE_ALIASES
@@ -197,10 +199,12 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Varia
         return variant
     if name in ("compile_autocast", "compile_autocast_freezing"):
         # Inductor options are part of the backend, so the two variants never share a compiled graph.
-        compiled = torch.compile(model, options={"freezing": name.endswith("freezing")})
+        freezing = name.endswith("freezing")
+        compiled = torch.compile(model, options={"freezing": freezing})
 
         def call() -> Any:
-            with autocast_ctx():
+            # Dynamo reads inductor's global freezing flag while tracing: options alone fold nothing.
+            with autocast_ctx(), inductor_freezing() if freezing else contextlib.nullcontext():
                 return compiled(*args, **kwargs)
         return _Variant(as_step(call, model.parameters()), call, None)
     if name == "graphamp_backend":

@@ -36,7 +36,10 @@ from graphamp.emit import AmpModule
 from graphamp.errors import GraphampError, InputMismatchError
 from graphamp.spec import autocast_off
 
-__all__ = ["CompileError", "CompileFallbackWarning", "CompiledAmpModule", "CompiledOptimizerStep", "Drift", "compile_converted", "compiled_for_training", "measure_drift"]
+__all__ = [
+    "CompileError", "CompileFallbackWarning", "CompiledAmpModule", "CompiledOptimizerStep", "Drift", "compile_converted",
+    "compiled_for_training", "inductor_freezing", "measure_drift",
+]
 
 DRIFT_META = "graphamp.drift"
 # Ops whose values come from a random generator: inductor draws them from its own, so a compiled
@@ -187,6 +190,9 @@ class CompiledAmpModule(nn.Module):
         # runs: no autocast (the graph holds every cast) and, for inference, no grad.
         ambient = torch.is_autocast_enabled(info.device_type)
         with autocast_off((info.device_type,)) if ambient else _nothing(), torch.no_grad() if info.inference else _nothing():
+            if self.__dict__["_freezing"]:
+                with inductor_freezing():
+                    return self._compiled_fn()(*args, **kwargs)
             return self._compiled_fn()(*args, **kwargs)
 
     def _warn_fallback(self, e: BaseException) -> None:
@@ -240,6 +246,28 @@ class CompiledAmpModule(nn.Module):
         new.meta = dict(self.meta)
         memo[id(self)] = new
         return new
+
+
+class inductor_freezing:
+    """Inductor's ``freezing`` switched on for the duration, globally.
+
+    ``torch.compile(..., options={"freezing": True})`` is not enough: dynamo reads the global flag
+    (``torch._dynamo.utils.is_parameter_freezing``) when it traces, to make parameters and buffers
+    static inputs that inductor may fold; without it inductor gets them as graph inputs and folds
+    nothing (no low-precision weights constant-folded, no oneDNN prepacking). Dynamo traces at
+    calls, so the flag is set around every call (a few microseconds).
+    """
+
+    def __enter__(self) -> None:
+        import torch._inductor.config as inductor_config
+
+        self._previous = inductor_config.freezing
+        inductor_config.freezing = True
+
+    def __exit__(self, *exc: object) -> None:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = self._previous
 
 
 class _nothing:
