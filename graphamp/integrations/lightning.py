@@ -208,6 +208,8 @@ class GraphampPrecision(MixedPrecision):
             ``cache_enabled`` is set to False, as Lightning runs autocast.
         self_check: as :func:`graphamp.convert`'s: on each conversion, the converted module and
             eager autocast run that batch once more and must agree bitwise ("raise", "warn", "off").
+            With "off", nothing tells whether eager takes another kernel without grad, so
+            validation, test and predict always run the graph.
 
     Attributes:
         converted: the converted modules by training mode (True for ``train()``), made on first
