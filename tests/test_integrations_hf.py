@@ -27,14 +27,22 @@ VOCAB, SEQ, STEPS = 64, 8, 10
 pytestmark = pytest.mark.filterwarnings(f"ignore::{EagerPathWarning.__module__}.{EagerPathWarning.__name__}")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _clean_accelerate_state():
-    """Trainer leaves accelerate's process-wide state set up; later tests and doctests in this
-    worker (GraphampDynamoPlugin refuses to be ignored by an existing state) start clean."""
-    yield
-    from accelerate.state import AcceleratorState
+def reset_accelerate_state() -> None:
+    """accelerate's process-wide state: the first Accelerator's (a Trainer makes one), dynamo plugin
+    included, and the gradient state, whose sync flag a run stopped inside gradient accumulation
+    leaves False (a later AcceleratedOptimizer.step would then skip every step)."""
+    from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _clean_accelerate_state():
+    """Later tests and doctests in this worker (GraphampDynamoPlugin refuses to be ignored by an
+    existing state) start clean."""
+    yield
+    reset_accelerate_state()
 
 
 def tiny_llama(kv_heads: int = 2, layers: int = 1) -> torch.nn.Module:
@@ -103,7 +111,7 @@ def test_trainer_with_prepared_model_is_bitwise_to_trainer_bf16(reference, tmp_p
     assert {"input_ids", "attention_mask"} <= set(trainer._signature_columns) and "source" not in trainer._signature_columns
     assert trainer.model_accepts_loss_kwargs
     graphs = view.__dict__["_graphamp_view"].graphs
-    assert sorted(training for training, _ in graphs) == [False, True]
+    assert sorted(key[0] for key in graphs) == [False, True]  # (training mode, inputs, region)
     assert all(type(amp).__name__.endswith("Amp") for amp in graphs.values())
     # save_model writes what save_pretrained does, and the weights load back into the model's class.
     trainer.save_model(str(tmp_path / "saved"))
@@ -134,13 +142,22 @@ def test_trainer_refuses_the_backend_name_and_says_so_in_accelerate(tmp_path):
         transformers.Trainer(model=tiny_llama(), args=args, train_dataset=dataset(4))
 
 
-def accelerate_loop(model: torch.nn.Module, steps: int, **accelerator_kwargs) -> list[float]:
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+def test_trainer_without_mixed_precision_refuses_a_view_without_dtype(tmp_path):
+    """fp16=True on CPU: accelerate runs fp32 (no autocast region), which a view would silently
+    turn into bf16 mixed precision."""
+    args = training_args(tmp_path, bf16=False, fp16=True, max_steps=1, gradient_accumulation_steps=1)
+    trainer = transformers.Trainer(model=hf.prepare(tiny_llama()), args=args, train_dataset=dataset(4))
+    with pytest.raises(OptionError, match=r"fp16=True on CPU runs fp32"):
+        trainer.train()
 
-    # The state is process-wide and keeps the first Accelerator's dynamo plugin; each run starts afresh.
-    AcceleratorState._reset_state(reset_partial_state=True)
-    accelerator = Accelerator(mixed_precision="bf16", cpu=True, **accelerator_kwargs)
+
+def accelerate_loop(model: torch.nn.Module, steps: int, plugin_options: dict | None = None) -> list[float]:
+    from accelerate import Accelerator
+
+    reset_accelerate_state()  # each run starts afresh
+    # The plugin is made after the reset: made before, it would refuse the state it would be ignored by.
+    plugin = {} if plugin_options is None else {"dynamo_plugin": GraphampDynamoPlugin(options=plugin_options)}
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True, **plugin)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     prepared, optimizer = accelerator.prepare(model, optimizer)
     rows, losses = dataset(2 * steps), []
@@ -152,7 +169,7 @@ def accelerate_loop(model: torch.nn.Module, steps: int, **accelerator_kwargs) ->
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_accelerate_state()
     return losses
 
 
@@ -160,7 +177,7 @@ def test_accelerator_with_graphamp_plugin_is_bitwise_to_accelerate_bf16():
     initial = tiny_llama()
     want_model, model = copy.deepcopy(initial), copy.deepcopy(initial)
     want = accelerate_loop(want_model, 4)
-    got = accelerate_loop(model, 4, dynamo_plugin=GraphampDynamoPlugin(options={"inner": "eager"}))
+    got = accelerate_loop(model, 4, plugin_options={"inner": "eager"})
     assert got == want
     assert_same_parameters(model, want_model)
     assert not torch.equal(model.lm_head.weight, initial.lm_head.weight)
@@ -168,11 +185,9 @@ def test_accelerator_with_graphamp_plugin_is_bitwise_to_accelerate_bf16():
 
 @pytest.fixture
 def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_accelerate_state()
     yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_accelerate_state()
 
 
 def test_graphamp_plugin_passes_backend_and_options_and_refuses_wrong_ones(monkeypatch, fresh_accelerate_state):
@@ -201,9 +216,7 @@ def test_graphamp_plugin_refuses_to_be_ignored_by_an_existing_accelerator(fresh_
     with pytest.raises(OptionError, match="would ignore it and compile nothing"):
         GraphampDynamoPlugin()
     fresh = {"inner": "eager"}
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_accelerate_state()
     accelerator = Accelerator(cpu=True, dynamo_plugin=GraphampDynamoPlugin(options=fresh))
     assert accelerator.state.dynamo_plugin.to_kwargs()["backend"] == "graphamp"
     GraphampDynamoPlugin(options=fresh)  # the same plugin again is what the state holds: no error
@@ -251,7 +264,7 @@ def test_generate_with_kv_cache_through_the_backend_is_bitwise_to_eager_autocast
     model = tiny_llama(kv_heads).eval()
     ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
     want = eager_autocast_generate(model, ids)
-    got = hf.compile(model, options={"inner": "eager"}, dynamic=True).generate(ids, **generate_kwargs())
+    got = hf.compile(model, dtype=torch.bfloat16, options={"inner": "eager"}, dynamic=True).generate(ids, **generate_kwargs())
     assert_same_generation(got, want)
     assert "forward" not in model.__dict__
 
@@ -265,18 +278,30 @@ def test_generate_with_kv_cache_on_converted_graphs_names_the_cache_and_the_way_
     assert not view.__dict__["_graphamp_view"].graphs  # refused before converting anything
 
 
-def test_prepared_view_refuses_another_autocast_dtype_and_nested_views():
+def test_prepared_view_follows_the_autocast_region_or_its_dtype_and_refuses_nesting():
     model = tiny_llama().eval()
-    view = hf.prepare(model)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = model(input_ids=ids).logits
-        got = view(input_ids=ids).logits
-    assert torch.equal(got, want)
+
+    def eager(dtype=torch.bfloat16, **region):
+        with torch.autocast("cpu", dtype=dtype, **region):
+            return model(input_ids=ids).logits
+
+    view = hf.prepare(model)  # no dtype: each call's enclosing region says, as Trainer's bf16=True does
+    with pytest.raises(OptionError, match=r"outside torch.autocast.*TrainingArguments\(bf16=True\)"):
+        view(input_ids=ids)
+    for region in ({}, {"cache_enabled": False}):
+        with torch.autocast("cpu", dtype=torch.bfloat16, **region):
+            got = view(input_ids=ids).logits
+        assert torch.equal(got, eager(**region))
+    assert len(view.__dict__["_graphamp_view"].graphs) == 2
+    pinned = hf.prepare(model, dtype=torch.bfloat16)  # a dtype: that precision, in or out of a region
+    assert torch.equal(pinned(input_ids=ids).logits, eager())
     with torch.autocast("cpu", dtype=torch.float16), pytest.raises(OptionError, match=r"prepare\(model, dtype=torch.float16\)"):
-        view(input_ids=ids)
+        pinned(input_ids=ids)
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), pytest.raises(OptionError, match="cache_enabled"):
-        view(input_ids=ids)
+        pinned(input_ids=ids)
+    with pytest.raises(OptionError, match="outside torch.autocast"):
+        hf.compile(model, options={"inner": "eager"})(input_ids=ids)
     with pytest.raises(OptionError, match="already a graphamp view"):
         hf.prepare(view)
     assert hf.source_of(view) is model

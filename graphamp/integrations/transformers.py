@@ -15,9 +15,11 @@ the view trains the model.
 - :func:`prepare`: ``forward`` runs graphs converted by :func:`graphamp.convert`, one per training
   mode and input structure, converted on first use from that call's inputs (a training graph, and
   an eval graph at the first ``evaluate()``). Pass it to ``Trainer`` with ``bf16=True`` (or
-  ``fp16=True``): Trainer's run is the model under accelerate's ``torch.autocast``; the converted
-  graphs switch that autocast off and apply the same casts, so losses, gradients, parameters and
-  ``evaluate()`` are bitwise those of Trainer's own mixed-precision run. A converted graph cannot
+  ``fp16=True`` on a GPU): Trainer's run is the model under accelerate's ``torch.autocast``; the
+  converted graphs follow that region's dtype, switch it off and apply the same casts, so losses,
+  gradients, parameters and ``evaluate()`` are bitwise those of Trainer's own mixed-precision run.
+  Without a region (no ``bf16=True``; ``fp16=True`` on CPU, which accelerate runs in fp32) a call
+  raises :class:`graphamp.OptionError` unless ``prepare(model, dtype=...)`` names a precision. A converted graph cannot
   hold a key/value cache: ``generate()`` with the cache raises :class:`graphamp.CaptureError`
   naming the way out.
 - :func:`compile`: ``forward`` runs under ``torch.compile(backend="graphamp")`` inside
@@ -79,13 +81,17 @@ def prepare(
 ) -> nn.Module:
     """The model, as a view whose ``forward`` runs graphs converted by :func:`graphamp.convert`.
 
-    Each (training mode, input structure) gets its graph on first use, converted from that call's
-    inputs with the model in that mode (a new shape class converts within the graph's module, as
-    :class:`graphamp.AmpModule` does). ``dtype`` None takes the dtype of an enclosing
-    ``torch.autocast`` at the first call (Trainer's ``bf16=True``/``fp16=True``), else autocast's
-    default for the device; a later call inside an autocast region of another dtype or cache
-    setting raises :class:`graphamp.OptionError`. The cache setting (``cache_enabled``) follows
-    the enclosing region too, unless ``config`` sets it.
+    Each (training mode, input structure, autocast setting) gets its graph on first use, converted
+    from that call's inputs with the model in that mode (a new shape class converts within the
+    graph's module, as :class:`graphamp.AmpModule` does).
+
+    ``dtype`` None follows the enclosing ``torch.autocast`` region of each call, its dtype and its
+    ``cache_enabled``: that is Trainer's ``bf16=True`` (accelerate runs forward in the region), and
+    then the graphs switch the region off and apply the same casts. A call outside any region
+    raises :class:`graphamp.OptionError` (Trainer without ``bf16=True``, or ``fp16=True`` on CPU,
+    where accelerate runs fp32: graphamp would run mixed precision the reference does not). With
+    ``dtype`` (and ``config``) given, calls run in that precision in or out of a region; a region
+    of another dtype or cache setting raises :class:`graphamp.OptionError`.
 
     Use it with ``transformers.Trainer(model=prepare(model), args=TrainingArguments(bf16=True, ...))``.
 
@@ -119,11 +125,13 @@ def compile(
 ) -> nn.Module:
     """The model, as a view whose ``forward`` runs under ``torch.compile(backend="graphamp")``.
 
-    Each call runs inside ``torch.autocast(device_type, dtype)`` (an enclosing region of the same
-    dtype is kept; another dtype raises :class:`graphamp.OptionError`), which is where the backend
-    reproduces eager autocast: dynamo traces the model's Python as eager autocast runs it, and the
-    compiled graphs switch the region off for their own casts. ``options`` are the backend's
-    (``{"inner": "eager"}`` for bitwise results; the default, inductor, matches to rounding).
+    Each call runs inside a ``torch.autocast`` region, which is where the backend reproduces eager
+    autocast: dynamo traces the model's Python as eager autocast runs it, and the compiled graphs
+    switch the region off for their own casts. ``dtype`` None follows the enclosing region of each
+    call (Trainer's ``bf16=True``), and a call outside any region raises :class:`graphamp.OptionError`;
+    with ``dtype``, calls outside a region run inside ``torch.autocast(device_type, dtype)`` and a
+    region of another dtype raises. ``options`` are the backend's (``{"inner": "eager"}`` for bitwise
+    results; the default, inductor, matches to rounding).
 
     For ``model.generate()`` with the key/value cache, and for Trainer in place of
     ``TrainingArguments(torch_compile_backend="graphamp")``.
@@ -134,8 +142,9 @@ def compile(
         raise OptionError(f"dtype={dtype!r} and options['dtype']={opts.dtype!r} disagree; pass one of them")
     dtype = dtype if dtype is not None else opts.dtype
     device_type = device_type or opts.device_type or _device_type(model)
-    dtype = resolve_dtype(dtype, device_type)
-    state = _Compiled(model, dtype, device_type, dict(options or {}), dynamic)
+    dtype = None if dtype is None else resolve_dtype(dtype, device_type)
+    options = {k: v for k, v in (options or {}).items() if k != "dtype"}  # the region's dtype is the backend's
+    state = _Compiled(model, dtype, device_type, options, dynamic)
     return _view(model, state)
 
 
@@ -216,6 +225,16 @@ def _uses_cache(kwargs: dict) -> bool:
     return any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS) or kwargs.get("use_cache") is True
 
 
+def _no_region_error(model: nn.Module, frontend: str) -> OptionError:
+    return OptionError(
+        f"this {frontend}d {type(model).__name__} was called outside torch.autocast and was given no dtype, so "
+        "nothing says which precision to run: under transformers.Trainer, mixed precision is "
+        "TrainingArguments(bf16=True) (accelerate runs the model's forward in torch.autocast; fp16=True on CPU "
+        "runs fp32). Way out: TrainingArguments(bf16=True), or call it inside torch.autocast(...), or "
+        f"{frontend}(model, dtype=torch.bfloat16) to run graphamp's mixed precision without a region."
+    )
+
+
 def _cache_error(model: nn.Module) -> CaptureError:
     return CaptureError(
         f"this {type(model).__name__} was called with a key/value cache (cache= or past_key_values=, or use_cache=True as "
@@ -240,11 +259,14 @@ class _Converted:
 
         device_type = self.device_type or _device_type(self.model)
         ambient = _ambient(device_type)
-        key = (view.training, input_signature(args, kwargs))
+        if _uses_cache(kwargs):
+            raise _cache_error(self.model)
+        if self.dtype is None and ambient is None:
+            raise _no_region_error(self.model, "prepare")
+        # With no dtype given, each enclosing region's setting has a graph of its own.
+        key = (view.training, input_signature(args, kwargs), ambient if self.dtype is None else None)
         amp = self.graphs.get(key)
         if amp is None:
-            if _uses_cache(kwargs):
-                raise _cache_error(self.model)
             with self.lock:
                 amp = self.graphs.get(key) or self._convert(view.training, args, kwargs, device_type, ambient)
                 self.graphs[key] = amp
@@ -256,14 +278,14 @@ class _Converted:
 
         if len(self.graphs) >= MAX_CONVERSIONS:
             raise InputMismatchError(
-                f"this prepared {type(self.model).__name__} has converted {MAX_CONVERSIONS} graphs (one per training mode "
-                "and input structure: keyword names, nesting, non-tensor values), the most it holds; this call "
-                "would need one more. Way out: call it with the same keywords and flags each time."
+                f"this prepared {type(self.model).__name__} has converted {MAX_CONVERSIONS} graphs (one per training mode, "
+                "input structure (keyword names, nesting, non-tensor values) and autocast setting), the most it "
+                "holds; this call would need one more. Way out: call it with the same keywords and flags each time."
             )
         dtype, config = self.dtype, self.config or Config()
         if ambient is not None:
             dtype = dtype or ambient[0]
-            if self.config is None:
+            if self.config is None and self.dtype is None:
                 config = Config(cache_enabled=ambient[1])
         # Conversion runs the model (capture, the self-check) from the caller's random state and
         # restores it, so that the call after draws the dropout masks eager would.
@@ -281,22 +303,22 @@ class _Converted:
         if ambient[0] != info.dtype:
             raise OptionError(
                 f"this call runs inside torch.autocast(dtype={ambient[0]}), but the view's graph was converted for "
-                f"{info.dtype}, whose casts it would apply instead. Way out: prepare(model, dtype={ambient[0]}) "
-                "(or dtype=None, which takes the enclosing region's), or train with the matching Trainer flag "
-                "(bf16=True for torch.bfloat16, fp16=True for torch.float16)."
+                f"{info.dtype}, whose casts it would apply instead. Way out: prepare(model, dtype={ambient[0]}), or "
+                "prepare(model) with no dtype, which follows the enclosing region."
             )
-        if info.config.cache_enabled is not None and ambient[1] != info.config.cache_enabled:
+        if ambient[1] != info.config.cache_enabled:
             raise OptionError(
                 f"this call runs inside torch.autocast(cache_enabled={ambient[1]}), but the view's graph was converted "
                 f"with cache_enabled={info.config.cache_enabled}, whose weight casts round gradients differently. "
-                "Way out: prepare(model, config=graphamp.Config(cache_enabled=...)) matching the region."
+                "Way out: prepare(model, config=graphamp.Config(cache_enabled=...)) matching the region, or "
+                "prepare(model) with no dtype and config, which follows the region."
             )
 
 
 class _Compiled:
     """A compiled view's state: the model's forward under torch.compile(backend="graphamp")."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, device_type: str, options: dict, dynamic: bool | None) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None, device_type: str, options: dict, dynamic: bool | None) -> None:
         self.model, self.dtype, self.device_type, self.options, self.dynamic = model, dtype, device_type, options, dynamic
         self.compiled: Any = None
 
@@ -305,10 +327,13 @@ class _Compiled:
             forward = type(self.model).forward.__get__(view)
             self.compiled = torch.compile(forward, backend="graphamp", options=self.options or None, dynamic=self.dynamic)
         ambient = _ambient(self.device_type)
-        if ambient is not None and ambient[0] != self.dtype:
+        if ambient is None and self.dtype is None:
+            raise _no_region_error(self.model, "compile")
+        if ambient is not None and self.dtype is not None and ambient[0] != self.dtype:
             raise OptionError(
                 f"this call runs inside torch.autocast(dtype={ambient[0]}), but the view compiles for {self.dtype}. "
-                f"Way out: compile(model, dtype={ambient[0]}), or call it outside that region."
+                f"Way out: compile(model, dtype={ambient[0]}), or compile(model) with no dtype, which follows the "
+                "enclosing region, or call it outside that region."
             )
         region = contextlib.nullcontext() if ambient is not None else torch.autocast(self.device_type, dtype=self.dtype)
         with region:
