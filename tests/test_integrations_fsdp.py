@@ -336,3 +336,41 @@ def test_grouped_units_refused_with_way_out(fsdp_results):
         typed, name, message = _result(fsdp_results, rank, "errors")["grouped"]
         assert typed, f"{name}: {message}"
         assert "fully_shard([a, b, ...])" in message and 'backend="graphamp"' in message
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.seen.append(mask)
+        return x
+
+
+def test_eager_view_gives_eager_inputs_to_real_calls_only():
+    # While a unit converts, the runs that observe eager see eager's inputs (a traced decoder passes
+    # an explicit mask where eager passes None); the capture, on fake tensors, sees its own.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphamp.integrations.fsdp import _eager_view
+
+    m, x = _Masked(), torch.randn(2, 3)
+    with _eager_view(m, ((x,), {"mask": None})):
+        m(x, mask=torch.ones(2, 3))
+        with FakeTensorMode() as mode:
+            m(mode.from_tensor(x), mask=mode.from_tensor(torch.ones(2, 3)))
+    assert m.seen[0] is None
+    assert m.seen[1] is not None
+    assert "forward" not in m.__dict__
+
+
+def test_plain_models_are_not_sharded():
+    import graphamp
+    from graphamp.integrations import fsdp
+
+    model = _MLP()
+    assert not fsdp.is_sharded(model)
+    amp = graphamp.convert(model, (torch.randn(4, 8),), dtype=torch.bfloat16, self_check="off")
+    assert fsdp.FSDP_META not in amp.meta
+    assert fsdp.sharded_after_conversion(amp) is None

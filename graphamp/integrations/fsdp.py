@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from graphamp.errors import CaptureError, GraphampError, InputMismatchError
@@ -277,14 +278,59 @@ def _record_nested(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict) 
         _RECORDING.reset(token)
 
 
+def _eager_inputs(model: nn.Module, units: list[nn.Module], args: tuple, kwargs: dict, spec: AmpSpec) -> dict[int, tuple]:
+    """Each unit's inputs in one eager autocast forward of the example (with FSDP's hooks); the
+    model's buffers and the random state are restored after."""
+    from graphamp.probe import _state_restored
+    from graphamp.spec import ambient_autocast
+
+    seen: dict[int, tuple] = {}
+
+    def record(module: nn.Module, a: tuple, kw: dict) -> None:
+        if id(module) not in seen:
+            seen[id(module)] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (a, kw))
+
+    # Registered after FSDP's pre-hook (which is prepended): the inputs as the forward sees them.
+    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in units]
+    try:
+        with _state_restored(model), torch.no_grad(), ambient_autocast(spec.device_type, spec.dtype):
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+@contextlib.contextmanager
+def _eager_view(module: nn.Module, eager: tuple[tuple, dict] | None) -> Iterator[None]:
+    """While ``module`` is converted, the runs that observe eager (not the capture, which runs on
+    fake tensors) see the inputs eager autocast gave it, where its graph gets what its enclosing
+    graph passes: graphamp follows eager's attention program from that observation (a traced
+    Hugging Face decoder passes each layer an explicit causal mask where eager SDPA passes None and
+    groups the key/value heads inside SDPA, which rounds their gradients differently)."""
+    if eager is None:
+        yield
+        return
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not any(isinstance(t, FakeTensor) for t in pytree.tree_leaves((args, kwargs))):
+            args, kwargs = eager
+        return original(*args, **kwargs)
+
+    with _forward_bound(module, functools.wraps(original)(forward)):
+        yield
+
+
 def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> nn.Module:
     """Convert a model holding FSDP2 units: ``model`` with its outermost units as nested calls,
     then each unit on its own, outer units first, each with the inputs its enclosing graph passes
     it on the example. Returns ``model``'s converted module (an AmpModule); its parameters are the
     model's (sharded) parameters.
 
-    Every rank must call this together: it gathers every unit's parameters (FSDP all-gathers) for
-    the capture and for one run of each graph on its example, then frees them again.
+    Every rank must call this together: it runs the example once eagerly (FSDP all-gathers), and
+    gathers every unit's parameters for the capture and for one run of each graph on its example,
+    then frees them again.
     """
     from graphamp.convert import _convert  # convert dispatches here
 
@@ -293,6 +339,7 @@ def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, 
     modules = [m for _, m in named]
     units = {id(m): _Unit(path, m) for path, m in named}
     with torch.no_grad():  # the all-gathers' copies need no autograd record
+        eager = _eager_inputs(model, modules, args, kwargs, spec)
         for m in modules:
             m.unshard()
     try:
@@ -312,7 +359,7 @@ def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, 
                 unit_args, unit_kwargs = unit.example
                 nested = _nested(m, units)
                 try:
-                    with _stubbed(nested):
+                    with _stubbed(nested), _eager_view(m, eager.get(id(m))):
                         amp = _convert(m, unit_args, unit_kwargs, spec, check=check)
                 except GraphampError as e:
                     raise _in_unit(e, unit) from e
