@@ -307,6 +307,8 @@ def test_prepared_view_follows_the_autocast_region_or_its_dtype_and_refuses_nest
     assert hf.source_of(view) is model
     with pytest.raises(OptionError, match="compile"):
         hf.compile(hf.compile(model))
+    with pytest.raises(OptionError, match=r"compiled by torch.compile.*_orig_mod"):
+        hf.prepare(torch.compile(model, backend="graphamp"))
 
 
 def test_prepared_view_refuses_a_model_accelerate_has_wrapped():

@@ -119,7 +119,14 @@ def _check_not_ignored(plugin: GraphampDynamoPlugin) -> None:
 
 
 def check_backend_name(backend: object, *, where: str) -> None:
-    """Raise :class:`graphamp.OptionError` unless ``backend`` names graphamp's backend."""
+    """Raise :class:`graphamp.OptionError` unless ``backend`` names graphamp's backend.
+
+    >>> check_backend_name("graphamp", where="here")
+    >>> try:
+    ...     check_backend_name("inductor", where="here")
+    ... except OptionError as e:
+    ...     assert "TorchDynamoPlugin(backend='inductor')" in str(e)
+    """
     name = backend.value if isinstance(backend, DynamoBackend) else backend
     if isinstance(name, str) and name.lower() == BACKEND:
         return

@@ -13,20 +13,20 @@ The submodules are the model's, so ``view.train()``/``view.eval()`` set their mo
 the view trains the model.
 
 - :func:`prepare`: ``forward`` runs graphs converted by :func:`graphamp.convert`, one per training
-  mode and input structure, converted on first use from that call's inputs (a training graph, and
-  an eval graph at the first ``evaluate()``). Pass it to ``Trainer`` with ``bf16=True`` (or
-  ``fp16=True`` on a GPU): Trainer's run is the model under accelerate's ``torch.autocast``; the
-  converted graphs follow that region's dtype, switch it off and apply the same casts, so losses,
-  gradients, parameters and ``evaluate()`` are bitwise those of Trainer's own mixed-precision run.
-  Without a region (no ``bf16=True``; ``fp16=True`` on CPU, which accelerate runs in fp32) a call
-  raises :class:`graphamp.OptionError` unless ``prepare(model, dtype=...)`` names a precision. A converted graph cannot
-  hold a key/value cache: ``generate()`` with the cache raises :class:`graphamp.CaptureError`
-  naming the way out.
+  mode, input structure and autocast setting, converted on first use from that call's inputs (a
+  training graph at the first step, an eval graph at the first ``evaluate()``). Pass it to
+  ``Trainer`` with ``bf16=True`` (or ``fp16=True`` on a GPU): Trainer's run is the model under
+  accelerate's ``torch.autocast``; the converted graphs follow that region, switch it off and apply
+  the same casts, so losses, gradients, parameters and ``evaluate()`` are bitwise those of
+  Trainer's own mixed-precision run. Without a region (no ``bf16=True``; ``fp16=True`` on CPU,
+  which accelerate runs in fp32) a call raises :class:`graphamp.OptionError` unless
+  ``prepare(model, dtype=...)`` names a precision. A converted graph cannot hold a key/value cache:
+  a call with one (``generate()``) raises :class:`graphamp.CaptureError` naming :func:`compile`.
 - :func:`compile`: ``forward`` runs under ``torch.compile(backend="graphamp")`` inside
-  ``torch.autocast``, which follows the model's Python (a key/value cache included) through
-  dynamo: ``generate()`` with the cache, tokens and logits bitwise to eager autocast
-  ``generate()`` with ``options={"inner": "eager"}``. It also trains under Trainer (the route for
-  ``TrainingArguments(torch_compile_backend="graphamp")``, which accelerate refuses: see
+  ``torch.autocast``, and dynamo follows the model's Python, a key/value cache included:
+  ``generate()`` with the cache gives tokens and logits bitwise to eager autocast ``generate()``
+  (``options={"inner": "eager"}``). It also trains under Trainer, bitwise to ``bf16=True``: the
+  route for ``TrainingArguments(torch_compile_backend="graphamp")``, which accelerate refuses (see
   :mod:`graphamp.integrations.accelerate`).
 """
 
@@ -135,6 +135,16 @@ def compile(
 
     For ``model.generate()`` with the key/value cache, and for Trainer in place of
     ``TrainingArguments(torch_compile_backend="graphamp")``.
+
+    >>> import transformers
+    >>> cfg = transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+    ...                               num_attention_heads=2, intermediate_size=32)
+    >>> model = transformers.BertForSequenceClassification(cfg).eval()
+    >>> view = compile(model, dtype=torch.bfloat16, options={"inner": "eager"})
+    >>> ids = torch.randint(0, 32, (2, 6))
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     expected = model(input_ids=ids).logits
+    >>> assert torch.equal(view(input_ids=ids).logits, expected) and source_of(view) is model
     """
     _check_model(model, "compile")
     opts = BackendOptions.parse(options)
@@ -159,6 +169,15 @@ def source_of(view: nn.Module) -> nn.Module:
 def _check_model(model: object, frontend: str) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"graphamp.integrations.transformers.{frontend} expects a torch.nn.Module, got {type(model).__name__}")
+    from graphamp.emit import AmpModule
+
+    if isinstance(model, (AmpModule, torch._dynamo.eval_frame.OptimizedModule)):
+        what = "converted by graphamp.convert" if isinstance(model, AmpModule) else "compiled by torch.compile"
+        raise OptionError(
+            f"this {type(model).__name__} was already {what}; {frontend}() makes a view of the model itself. "
+            f"Way out: {frontend}(model) with the original model"
+            + ("" if isinstance(model, AmpModule) else " (compiled._orig_mod)")
+        )
     if _VIEW in model.__dict__:
         raise OptionError(
             f"this model is already a graphamp view ({type(model.__dict__[_VIEW]).__name__.strip('_').lower()}); "
