@@ -658,8 +658,13 @@ def _signed_forward(model: nn.Module | None) -> Any:
             signature = inspect.signature(model.forward)
         except (TypeError, ValueError):  # a builtin or C++ forward (ScriptModule)
             return forward
-        this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        forward.__signature__ = signature.replace(parameters=[this, *signature.parameters.values()])
+        params = list(signature.parameters.values())
+        if not params or params[0].name != "self":  # a ScriptModule's method shows its self
+            params.insert(0, inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        try:
+            forward.__signature__ = signature.replace(parameters=params)
+        except ValueError:  # a parameter named self elsewhere: keep the generic signature
+            pass
     return forward
 
 
@@ -672,7 +677,7 @@ def _in_model_order(amp: nn.Module, model: nn.Module) -> None:
         if mine is None:
             continue
         for field in ("_parameters", "_buffers", "_modules"):
-            table, order = getattr(mine, field), list(getattr(theirs, field))
+            table, order = getattr(mine, field), list(getattr(theirs, field).keys())  # ScriptModule's wrap theirs
             rank = {name: i for i, name in enumerate(order)}
             ordered = sorted(table.items(), key=lambda item: rank.get(item[0], len(rank)))
             table.clear()
