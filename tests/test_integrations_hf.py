@@ -122,6 +122,30 @@ def test_trainer_with_prepared_model_is_bitwise_to_trainer_bf16(reference, tmp_p
     assert "forward" not in model.__dict__ and "_graphamp_view" not in model.__dict__
 
 
+def test_trainer_with_dropout_and_label_smoothing_is_bitwise_to_trainer_bf16(tmp_path):
+    """A BERT classifier with its dropout on and Trainer's label smoother (which pops the labels and
+    picks its loss by the model's class name): conversion inside the first step restores the
+    random state, so the graph draws eager's dropout masks."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=3)
+    initial = transformers.BertForSequenceClassification(cfg)
+    assert cfg.hidden_dropout_prob > 0
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(0, VOCAB, (SEQ,), generator=g), "labels": torch.tensor(i % 3)} for i in range(24)]
+
+    def run(model, out):
+        args = training_args(out, max_steps=6, learning_rate=1e-3, label_smoothing_factor=0.1)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows[:4])
+        trainer.train()
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e], trainer.evaluate()["eval_loss"]
+
+    want_model, model = copy.deepcopy(initial), copy.deepcopy(initial)
+    want = run(want_model, tmp_path / "reference")
+    assert run(hf.prepare(model), tmp_path / "ours") == want
+    assert_same_parameters(model, want_model)
+    assert not torch.equal(model.classifier.weight, initial.classifier.weight)
+
+
 def test_trainer_with_compiled_model_is_bitwise_to_trainer_bf16(reference, tmp_path):
     """The backend from Trainer, in place of TrainingArguments(torch_compile_backend="graphamp")."""
     initial, want, want_losses, want_eval = reference
