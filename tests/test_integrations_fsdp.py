@@ -142,11 +142,21 @@ def _scenario_llama_trainstep(rank: int) -> dict:
     want = _eager_loop(eager, _adamw(eager), _lm_loss, batches, clip=1.0)
     step = graphamp.TrainStep(ours, _lm_loss, _adamw(ours), dtype=torch.bfloat16, max_grad_norm=1.0)  # self_check="raise"
     got = [step(*args, target=target, **kwargs) for args, kwargs, target in batches]
-    return _compare(eager, ours, initial, want, got, {
+    result = _compare(eager, ours, initial, want, got, {
         "self_check": step.module.meta["graphamp.self_check"].ok,
         "units": step.module.meta["graphamp.fsdp"],
         "code": step.module.code,
     })
+    # Other sizes, on every rank at once: run as eager does, or refused with a typed error (a unit
+    # captured with static sizes cannot convert again inside FSDP's forward, on one rank alone).
+    ids = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(300 + rank))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        result["other_sizes_eager"] = _lm_loss(eager(input_ids=ids), ids)
+    try:
+        result["other_sizes"] = step(input_ids=ids, target=ids)
+    except Exception as e:  # noqa: BLE001 (the type is what the test checks)
+        result["other_sizes"] = (type(e).__name__, isinstance(e, graphamp.InputMismatchError), str(e))
+    return result
 
 
 def _scenario_mlp_convert(rank: int) -> dict:
@@ -297,6 +307,17 @@ def test_bitwise_to_eager_autocast_fsdp(fsdp_results, scenario):
         assert r["forward_restored"], "a unit's forward is still bound to its graph after the call"
     # Each rank trained on its own data; equal gathered parameters then need the reduce-scatter.
     assert not torch.equal(_result(fsdp_results, 0, scenario)["got"], _result(fsdp_results, 1, scenario)["got"])
+
+
+def test_other_sizes_run_or_are_refused_typed(fsdp_results):
+    for rank in range(WORLD):
+        r = _result(fsdp_results, rank, "llama-trainstep")
+        if isinstance(r["other_sizes"], torch.Tensor):
+            assert torch.equal(r["other_sizes"], r["other_sizes_eager"])
+        else:
+            name, typed, message = r["other_sizes"]
+            assert typed and name == "UnitInputError", f"{name}: {message}"
+            assert "pad inputs" in message and "cannot convert again" not in message
 
 
 def test_llama_units_converted_each(fsdp_results):

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from graphamp.errors import CaptureError, GraphampError, InputMismatchError
 from graphamp.spec import AmpSpec
 
-__all__ = ["FSDP_META", "FsdpUnitCall", "convert_sharded", "is_sharded", "self_check", "sharded_after_conversion", "sharded_units"]
+__all__ = ["FSDP_META", "FsdpUnitCall", "UnitInputError", "convert_sharded", "is_sharded", "self_check", "sharded_after_conversion", "sharded_units"]
 
 FSDP_META = "graphamp.fsdp"  # amp.meta: the paths of the units converted on their own
 _FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard"
@@ -59,6 +59,12 @@ def sharded_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``graphamp.convert`` must convert ``model`` unit by unit (it holds an FSDP2 unit)."""
     return not _CONVERTING.get() and bool(sharded_units(model))
+
+
+class UnitInputError(InputMismatchError):
+    """A sharded unit's graph was called with inputs it was not converted for (other sizes or
+    structure). Unlike a plain converted module, the model does not convert again for them: that
+    gathers parameters, a collective that one rank cannot run alone in the middle of a forward."""
 
 
 class _Unit:
@@ -118,13 +124,20 @@ class _Unit:
         amp.refresh()
         try:
             return amp(*args, **kwargs)
-        except InputMismatchError as e:  # shape class or input structure: same type, said for FSDP
-            raise type(e)(
+        except UnitInputError:
+            raise  # a unit inside this one refused its inputs: said once
+        except InputMismatchError as e:
+            # Not the shape-class or structure subtype, which the enclosing converted module would
+            # answer by converting the sharded model again, here, on this rank alone: conversion
+            # gathers parameters, a collective the other ranks (in their forward or backward) do
+            # not take part in at this point.
+            reason = str(e).split(" This module cannot convert again")[0]  # it cannot: see above
+            raise UnitInputError(
                 f"the FSDP unit {self.path or '<root>'} ({type(self.module).__name__}) was converted for the "
                 "inputs its enclosing graph passed it on the example, and these need another conversion (other "
-                f"sizes or structure), which cannot run inside FSDP's forward: {e} Way out: convert with an "
-                "example like these inputs, pad inputs to the example's sizes, or torch.compile(model, "
-                "backend=\"graphamp\")."
+                f"sizes or structure), which cannot run inside FSDP's forward, nor on one rank alone: {reason} Way "
+                "out: pad inputs to the example's sizes, convert again (on every rank) with an example like "
+                "these inputs, or torch.compile(model, backend=\"graphamp\")."
             ) from e
 
     def call(self, spec: pytree.TreeSpec, leaves: tuple) -> tuple:
