@@ -90,3 +90,18 @@ def test_multihead_attention_not_fused_off_eagers_fast_path(kwargs):
     model = SelfAttention(**kwargs).eval()
     amp = graphamp.convert(model, (torch.randn(2, 6, 32),), inference=True)
     assert not [n for n in amp.graph.nodes if n.target is torch.ops.aten._native_multi_head_attention.default]
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["exact", "inference"])
+def test_a_layer_that_is_the_model_itself_is_fused(inference):
+    # The root's parameters have no module prefix ("self_attn.in_proj_weight"): found a layer at
+    # path "" before, looked for ".self_attn.in_proj_weight", fused nothing, and returned fp32 where
+    # eager's fused kernel returns bf16 (inference=True raised PolicyDriftError).
+    torch.manual_seed(0)
+    model, x = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval(), torch.randn(4, 12, 32)
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16, inference=inference)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = model(x)
+        got = amp(x)
+    assert want.dtype is torch.bfloat16 and got.dtype is torch.bfloat16 and torch.equal(got, want)

@@ -70,6 +70,11 @@ def _layer_path(node: Node, kind: str = _LAYER) -> str | None:
     return None
 
 
+def _join(path: str, name: str) -> str:
+    """A parameter's target under the module at ``path`` ("" for the root: the model is the layer)."""
+    return f"{path}.{name}" if path else name
+
+
 def _regions(gm: GraphModule, kind: str = _LAYER) -> dict[str, list[Node]]:
     regions: dict[str, list[Node]] = {}
     for node in gm.graph.nodes:
@@ -85,7 +90,7 @@ def _fused_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, No
     would not take the fused path or the region is not one layer call."""
     inside = set(nodes)
     params = {n.target: n for n in gm.graph.find_nodes(op="get_attr")}
-    weights = [params.get(f"{path}.{name}") for name in _PARAMS]
+    weights = [params.get(_join(path, name)) for name in _PARAMS]
     if any(w is None for w in weights):
         return None  # separate q/k/v projections, no biases, ...: eager's fast path needs them all
     # Size arithmetic (SymInts) is shared between layers; only tensors cross a layer's boundary.
@@ -114,7 +119,7 @@ def _fused_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, No
     if use_gelu and any(n.target is aten.gelu.default and n.kwargs.get("approximate", "none") != "none" for n in nodes):
         return None
     norm_first = norms[0].args[0] is src
-    embed_dim = attr_of(gm, f"{path}.self_attn.in_proj_weight").shape[1]
+    embed_dim = attr_of(gm, _join(path, "self_attn.in_proj_weight")).shape[1]
     w = weights
     args = (embed_dim, heads, w[0], w[1], w[2], w[3], use_gelu, norm_first, eps, w[4], w[5], w[6], w[7], w[8], w[9], w[10], w[11], None, None)
     return src, outputs[0], args
@@ -125,7 +130,7 @@ def _attention_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node
     ``nn.MultiheadAttention`` call that returns no weights, or None."""
     inside = set(nodes)
     params = {n.target: n for n in gm.graph.find_nodes(op="get_attr")}
-    weights = [params.get(f"{path}.{name.removeprefix('self_attn.')}") for name in _PARAMS[:4]]
+    weights = [params.get(_join(path, name.removeprefix("self_attn."))) for name in _PARAMS[:4]]
     if any(w is None for w in weights):
         return None
     inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
