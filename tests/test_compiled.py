@@ -206,3 +206,23 @@ def test_a_transformers_model_compiles_for_inference():
     assert cm.drift.comparable and cm.drift.max_rel <= REL
     twin = copy.deepcopy(cm)
     assert isinstance(twin, CompiledAmpModule) and twin.amp is not cm.amp and twin.drift == cm.drift
+
+
+def test_a_compiled_program_with_other_dtypes_is_never_returned():
+    # An eval nn.TransformerEncoderLayer under inference=True runs eager's fused kernel under autocast
+    # (graphamp.runtime.autocast_op); torch.compile has lost that autocast state (outputs in fp32).
+    # Whatever torch does, the module's outputs have eager autocast's dtypes, and where it falls back
+    # it says so and is exact.
+    case = zoo.transformer_encoder(d_model=32, layers=1, heads=4)
+    model = case.model.eval()
+    args, kwargs = case.inputs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cm = graphamp.convert(model, args, kwargs, inference=True, compile=True)
+    fell_back = any(issubclass(w.category, CompileFallbackWarning) for w in caught)
+    got = cm(*args, **kwargs)
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        want = model(*args, **kwargs)
+    assert got.dtype == want.dtype and fell_back == (not cm.drift.dtypes_match)
+    if fell_back:
+        assert torch.equal(got, want)
