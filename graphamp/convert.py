@@ -20,7 +20,7 @@ from graphamp.passes import build_pipeline, run_passes
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.passes.autotune import PLAN_META, checks_accuracy
 from graphamp.probe import _state_restored, eager_sdpa_calls
-from graphamp.self_check import SELF_CHECK_META, applies, check_against_eager, check_self_check
+from graphamp.self_check import SELF_CHECK_META, applies, check_self_check, checker_for
 from graphamp.spec import AmpSpec, ambient_autocast, autocast_off
 
 __all__ = ["convert"]
@@ -113,7 +113,7 @@ def convert(
             raise
         amp = dynamo_fallback(model, args, kwargs, spec, e)
     if on_drift != "off" and applies(spec, model, args, kwargs):
-        amp.meta[SELF_CHECK_META] = check_against_eager(amp, model, args, kwargs, spec, on_drift=on_drift)
+        amp.meta[SELF_CHECK_META] = checker_for(amp)(amp, model, args, kwargs, spec, on_drift=on_drift)
     if compile:
         from graphamp.compiled import compile_converted
 

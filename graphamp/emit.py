@@ -231,7 +231,7 @@ class AmpModule(GraphModule):
         """``model`` converted with ``spec`` in the given training mode, checked as convert checked
         this module (raising, or warning where convert warned)."""
         from graphamp.convert import _convert  # convert imports emit
-        from graphamp.self_check import applies, check_against_eager
+        from graphamp.self_check import applies, checker_for
 
         checked = self.meta.get(SELF_CHECK_META)
         # Captured in the grad mode its calls run in: the model's code may read it.
@@ -249,7 +249,7 @@ class AmpModule(GraphModule):
                 # checked as an inference conversion is: forward only, under no_grad.
                 ok = checked["ok"] if isinstance(checked, dict) else checked.ok
                 check_spec = dataclasses.replace(spec, inference=True) if spec.grad_free else spec
-                variant.meta[SELF_CHECK_META] = check_against_eager(
+                variant.meta[SELF_CHECK_META] = checker_for(variant)(
                     variant, model, args, kwargs, check_spec, on_drift="raise" if ok else "warn"
                 )
         return variant

@@ -28,7 +28,7 @@ from graphamp.errors import PolicyDriftError, PolicyDriftWarning
 from graphamp.probe import _state_restored
 from graphamp.spec import AmpSpec, autocast_off
 
-__all__ = ["SELF_CHECKS", "SELF_CHECK_META", "SelfCheck", "check_against_eager", "check_self_check"]
+__all__ = ["SELF_CHECKS", "SELF_CHECK_META", "SelfCheck", "check_against_eager", "check_self_check", "checker_for"]
 
 # "raise": a difference raises PolicyDriftError; "warn": it warns PolicyDriftWarning and the module
 # is returned; "off": no check (for users who convert in a loop and verify once).
@@ -70,6 +70,16 @@ def applies(spec: AmpSpec, model: nn.Module, args: tuple, kwargs: dict) -> bool:
         return False
     tensors = [*model.parameters(), *model.buffers(), *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
     return not any(isinstance(t, torch._subclasses.fake_tensor.FakeTensor) or t.device.type == "meta" for t in tensors)
+
+
+def checker_for(amp: nn.Module) -> Callable[..., SelfCheck]:
+    """:func:`check_against_eager`, or, for a module converted unit by unit on an FSDP2 model,
+    :func:`graphamp.integrations.fsdp.self_check` (backward through FSDP, gradient shards compared)."""
+    if "graphamp.fsdp" in getattr(amp, "meta", {}):
+        from graphamp.integrations.fsdp import self_check
+
+        return self_check
+    return check_against_eager
 
 
 def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, on_drift: str) -> SelfCheck:

@@ -177,11 +177,9 @@ def _scenario_mlp_convert(rank: int) -> dict:
     eager_opt, our_opt = _adamw(eager), _adamw(ours)
     want = _eager_loop(eager, eager_opt, F.mse_loss, batches, clip=None)
     (x0,), _, _ = batches[0]
-    # convert's own self-check is the generic one until convert() dispatches to fsdp.self_check.
-    amp = graphamp.convert(ours, (x0,), dtype=torch.bfloat16, self_check="off")
-    spec = AmpSpec.resolve(ours, ((x0,), {}), dtype=torch.bfloat16, device_type=None, mode="exact",
-                           inference=False, config=None, keep_io_types=False)
-    check = fsdp.self_check(amp, ours, (x0,), {}, spec, on_drift="raise")
+    # convert's default self-check on a sharded model is FSDP's (backward through FSDP, shards compared).
+    amp = graphamp.convert(ours, (x0,), dtype=torch.bfloat16)
+    check = amp.meta["graphamp.self_check"]
     # The same loop: the loss outside the graph runs under autocast, as eager's; amp switches it off inside.
     got = _eager_loop(amp, our_opt, F.mse_loss, batches, clip=None)
     result = _compare(eager, ours, initial, want, got, {
