@@ -276,12 +276,9 @@ def eager_autocast_generate(model: torch.nn.Module, ids: torch.Tensor):
     "kv_heads",
     [
         pytest.param(4, id="mha"),
-        pytest.param(2, id="gqa", marks=pytest.mark.xfail(
-            raises=CaptureError, strict=True,
-            reason="backend/observe.py runs the frame eagerly to observe grouped key/value heads and advances the "
-            "DynamicCache it was given (dynamo: 'Guard failed on the same frame it was created'); fixed by running "
-            "the frame on a copy of the cache",
-        )),
+        # Grouped key/value heads: the backend runs the frame eagerly to observe eager's attention, on
+        # a copy of its cache (it once advanced the DynamicCache it was given, and dynamo's guards failed).
+        pytest.param(2, id="gqa"),
     ],
 )
 def test_generate_with_kv_cache_through_the_backend_is_bitwise_to_eager_autocast(kv_heads):

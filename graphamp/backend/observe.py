@@ -17,6 +17,7 @@ dynamo traced.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import types
 import warnings
@@ -115,10 +116,26 @@ def _filled(cell: types.CellType) -> bool:
     return True
 
 
+def _fresh(value: Any) -> Any:
+    """An argument the eager run may change, copied: a Hugging Face key/value cache grows when the
+    frame runs, and dynamo's guards on it would then fail ("Guard failed on the same frame")."""
+    if value is None or isinstance(value, (torch.Tensor, nn.Module, int, float, bool, str, bytes, torch.dtype, torch.device)) or callable(value):
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # an object that cannot be copied is passed as it is
+        return value
+
+
+def _fresh_arguments(frame: Frame) -> tuple[tuple, dict[str, Any]]:
+    return pytree.tree_map(_fresh, (tuple(frame.args), dict(frame.kwargs)))
+
+
 def eager_frame_sdpa_calls(frame: Frame, *, device_type: str, dtype: torch.dtype) -> list[SdpaCall] | None:
     """The SDPA calls the frame makes under eager autocast, in order; None if it cannot run."""
     call = _EagerCall(frame.fn, _modules_reached(frame))
-    return eager_sdpa_calls(call, frame.args, frame.kwargs, device_type=device_type, dtype=dtype)
+    args, kwargs = _fresh_arguments(frame)
+    return eager_sdpa_calls(call, args, kwargs, device_type=device_type, dtype=dtype)
 
 
 def observe_eager_frame(gm: GraphModule, *, device_type: str, dtype: torch.dtype, frame: Frame | None) -> None:
@@ -162,8 +179,9 @@ def dtype_arguments(frame: Frame, *, device_type: str, dtype: torch.dtype | None
     recorder = _RecordDtypes()
     region = ambient_autocast(device_type, dtype) if dtype is not None else contextlib.nullcontext()
     try:
+        args, kwargs = _fresh_arguments(frame)
         with _state_restored(call), torch.no_grad(), region, recorder:
-            call(*frame.args, **frame.kwargs)
+            call(*args, **kwargs)
     except Exception:  # advisory, as the attention probe: code that cannot run here is not judged
         return None
     return recorder.calls
