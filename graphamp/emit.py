@@ -24,7 +24,7 @@ from torch.fx.graph_module import _forward_from_src
 
 from graphamp.capture import SIZE_CONDITIONS
 from graphamp.config import Config
-from graphamp.errors import InputMismatchError, InputShapeError, InputStructureError, ModelChangedError
+from graphamp.errors import InputMismatchError, InputShapeError, InputStructureError, ModelChangedError, ModelMethodError
 from graphamp.spec import AmpSpec, autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes.fuse_encoder_layers import FUSED_WITHOUT_GRAD
@@ -440,10 +440,15 @@ class AmpModule(GraphModule):
         except AttributeError:
             raise AttributeError(f"{type(self).__name__!r} object (and its model) has no attribute {name!r}") from None
         if inspect.ismethod(value) and value.__self__ is model and name not in PASSED_METHODS:
-            raise AttributeError(
+            way_out = (
+                "generate with graphamp.integrations.transformers.compile(model).generate(...), which follows the "
+                "key/value cache through torch.compile(backend=\"graphamp\")"
+                if name == "generate" else
+                f"call model.{name}(...) on the model itself (under torch.autocast for mixed precision)"
+            )
+            raise ModelMethodError(
                 f"{type(model).__name__}.{name} is a method of the model, which the converted module does not pass "
-                "through: it would run the model's own unconverted code (no mixed precision). Way out: call "
-                f"model.{name}(...) on the model itself (under torch.autocast for mixed precision)."
+                f"through: it would run the model's own unconverted code (no mixed precision). Way out: {way_out}."
             )
         return value
 

@@ -91,3 +91,8 @@ class ModelChangedError(GraphampError, RuntimeError):
     """The model a converted module shares its parameters with no longer holds them (its parameters
     were re-registered, or ``fully_shard`` sharded it after conversion): the graph would compute
     with, and train, tensors the model and its optimizer no longer see."""
+
+
+class ModelMethodError(GraphampError, AttributeError):
+    """A method of the model that a converted module does not pass through: it would run the model's
+    own unconverted code (an ``AttributeError``, so ``hasattr`` stays False)."""
