@@ -398,3 +398,23 @@ def test_inputs_of_another_structure_or_constant_convert_again(caplog):
     with pytest.raises(graphamp.InputStructureError, match="Way out"):
         for scale in range(10, 20):
             amp(x, scale=float(scale))
+
+
+def test_the_models_containers_stay_its_own_objects():
+    # Non-strict torch.export left copies of a module's list/dict/set attributes in their place;
+    # code holding the originals (Lightning's self.outputs.append) then wrote where the model no
+    # longer looked. Found by the Lightning integration.
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.outputs, self.table, self.seen = [], {"a": 1}, set()
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model = Holder()
+    held = model.outputs, model.table, model.seen
+    graphamp.convert(model, (_x(),))
+    assert (model.outputs, model.table, model.seen) == held
+    assert all(a is b for a, b in zip((model.outputs, model.table, model.seen), held))

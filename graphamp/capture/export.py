@@ -194,6 +194,7 @@ def _export(
         _quiet_on_failure(),
         _eager_flags(model) if eager_flags else contextlib.nullcontext(),
         _dim_marks_restored((args, kwargs)),
+        _containers_kept(model),
         _failure_logs_dropped(),
         keeper,
     ):
@@ -201,6 +202,28 @@ def _export(
         warnings.filterwarnings("ignore", message=".*were assigned during export.*")
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     return ep, keeper
+
+
+_MODULE_TABLES = frozenset(vars(nn.Module()))  # _parameters, _buffers, _modules, the hook dicts, ...
+
+
+@contextlib.contextmanager
+def _containers_kept(model: nn.Module) -> Iterator[None]:
+    """Non-strict export swaps a module's list, dict and set attributes for copies while it traces
+    and leaves the copies behind; put the model's own objects back (code and users hold them:
+    Lightning's ``self.outputs.append(...)``), so conversion never changes the model."""
+    held = [
+        (m, key, value)
+        for m in model.modules()
+        for key, value in list(vars(m).items())
+        if key not in _MODULE_TABLES and type(value) in (list, dict, set)
+    ]
+    try:
+        yield
+    finally:
+        for m, key, value in held:
+            if m.__dict__.get(key) is not value:
+                m.__dict__[key] = value
 
 
 # What torch logs (to stderr) on the way to an exception that reaches graphamp, which raises it
