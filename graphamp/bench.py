@@ -216,7 +216,8 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Varia
         cm = graphamp.convert(model, args, kwargs, dtype=dtype, inference=inference, compile=True)
         call = lambda: cm(*args, **kwargs)  # noqa: E731
         variant = _Variant(as_step(call, model.parameters()), call, None)
-        variant.note = f"inference={inference}; drift on the example: {cm.drift.line()}" if cm.drift else ""
+        ran = "" if getattr(cm, "runs_compiled", False) else " (the compiled program was refused: runs uncompiled, exact)"
+        variant.note = (f"inference={inference}; drift on the example: {cm.drift.line()}" if getattr(cm, "drift", None) else "") + ran
         return variant
     if name in ("trainstep", "trainstep_compiled"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

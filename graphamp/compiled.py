@@ -152,6 +152,11 @@ class CompiledAmpModule(nn.Module):
         return self.amp.code
 
     @property
+    def runs_compiled(self) -> bool:
+        """False once the module fell back to its converted graph uncompiled (see ``CompileFallbackWarning``)."""
+        return not self.__dict__.get("_fallback")
+
+    @property
     def drift(self) -> Drift | None:
         """What conversion measured against eager autocast on the example (None if not measured)."""
         return self.meta.get(DRIFT_META)
@@ -174,6 +179,10 @@ class CompiledAmpModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.__dict__.get("_fallback"):
             return self.amp(*args, **kwargs)
+        # Shapes that failed to compile run uncompiled from then on, without tracing again.
+        refused = self.__dict__.get("_refused_shapes")
+        if refused and _shapes_of(args, kwargs) in refused:
+            return self.amp(*args, **kwargs)
         try:
             return self._call_compiled(args, kwargs)
         except InputMismatchError:
@@ -181,6 +190,7 @@ class CompiledAmpModule(nn.Module):
         except Exception as e:
             if not _is_compile_failure(e):
                 raise
+            self.__dict__.setdefault("_refused_shapes", set()).add(_shapes_of(args, kwargs))
             self._warn_fallback(e)
             return self.amp(*args, **kwargs)
 
@@ -290,6 +300,10 @@ def _own_function(target: Callable[..., Any]) -> Callable[..., Any]:
     namespace: dict[str, Any] = {"target": target}
     exec(compile(source, f"<graphamp compiled {next(_COUNTER)}>", "exec"), namespace)  # noqa: S102
     return namespace["graphamp_compiled"]
+
+
+def _shapes_of(args: tuple, kwargs: dict) -> tuple:
+    return tuple(tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
 
 def _first_line(e: BaseException) -> str:

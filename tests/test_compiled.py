@@ -52,7 +52,7 @@ def trained():
 
 def test_compiled_module_shares_the_models_parameters_and_names(trained):
     model, _x, cm = trained
-    assert isinstance(cm, CompiledAmpModule) and isinstance(cm.amp, graphamp.AmpModule)
+    assert isinstance(cm, CompiledAmpModule) and isinstance(cm.amp, graphamp.AmpModule) and cm.runs_compiled
     assert [n for n, _ in cm.named_parameters()] == [n for n, _ in model.named_parameters()]
     assert all(a is b for a, b in zip(cm.parameters(), model.parameters()))
     assert list(cm.state_dict()) == list(model.state_dict())
@@ -141,6 +141,11 @@ def test_a_later_compile_failure_falls_back_with_a_warning(monkeypatch):
         y = cm(other)
     assert torch.equal(y, cm.amp(other))  # the uncompiled module: exact
     assert torch.equal(y, _autocast(model, other))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once; these shapes now run uncompiled without a retrace
+        assert torch.equal(cm(other), y)
+    monkeypatch.undo()
+    assert _close(cm(x), _autocast(model, x))  # the example's shapes stay compiled
 
 
 def test_compile_argument_is_checked():
@@ -223,6 +228,6 @@ def test_a_compiled_program_with_other_dtypes_is_never_returned():
     got = cm(*args, **kwargs)
     with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
         want = model(*args, **kwargs)
-    assert got.dtype == want.dtype and fell_back == (not cm.drift.dtypes_match)
+    assert got.dtype == want.dtype and fell_back == (not cm.drift.dtypes_match) == (not cm.runs_compiled)
     if fell_back:
         assert torch.equal(got, want)
