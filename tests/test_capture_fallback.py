@@ -62,7 +62,7 @@ def test_other_shapes_convert_again_once_each_and_share_the_parameters(caplog):
             assert_exact(model, amp, (torch.randn(shape),), {}, torch.bfloat16)
     assert len(_variants(amp)) == 3  # (3, 5, 8) the second time runs the module converted the first
     assert [r.levelname for r in caplog.records] == ["WARNING", "INFO", "INFO"]
-    assert "shape class 1 of at most 8" in caplog.records[0].getMessage()
+    assert "input class 1 of at most 8" in caplog.records[0].getMessage()
     for variant in _variants(amp):
         assert variant.get_parameter("qkv.weight") is model.qkv.weight
         assert variant.meta["graphamp.self_check"].ok  # checked against eager on the call's inputs, as convert checks
@@ -102,7 +102,7 @@ def test_the_number_of_shape_classes_is_bounded(monkeypatch):
     amp = graphamp.convert(model, (torch.randn(2, 5, 8),))
     amp(torch.randn(1, 5, 8))
     amp(torch.randn(3, 5, 8))
-    with pytest.raises(graphamp.InputShapeError, match="already converted itself for 2 other shape classes.*Way out: pad"):
+    with pytest.raises(graphamp.InputShapeError, match="already converted itself for 2 other input classes.*Way out: pad"):
         amp(torch.randn(4, 5, 8))
     amp(torch.randn(1, 5, 8))  # the shape classes it holds still run
 
