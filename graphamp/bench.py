@@ -84,6 +84,9 @@ VARIANTS = (
     "trainstep",
     "trainstep_compiled",
 )
+# "infer": eval under no_grad; "forward": eval with grad enabled, no backward (eager's program may
+# differ by grad mode: a fused encoder kernel); "train": train mode, forward, backward, AdamW step.
+TASKS = ("infer", "forward", "train")
 INFER_ONLY = {"graphamp_inference", "compile_autocast_freezing"}
 TRAIN_ONLY = {"trainstep", "trainstep_compiled"}
 COMPILED = {"compile_autocast", "compile_autocast_freezing", "graphamp_backend", "graphamp_compiled", "trainstep_compiled"}
@@ -162,6 +165,11 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Varia
                 with torch.no_grad():
                     return call()
             return infer
+        if task == "forward":  # eval, grad enabled, no backward: the autograd graph is built and dropped
+            def forward() -> Any:
+                with torch.enable_grad():
+                    return call()
+            return forward
         opt = torch.optim.AdamW(params, lr=1e-4)
 
         def train() -> Any:
@@ -297,12 +305,12 @@ def run(
     target_s: float = 0.05,
 ) -> list[Row]:
     """Benchmark ``variants`` on ``models``; returns one Row per (model, variant)."""
-    if task not in ("infer", "train"):
-        raise ValueError(f"task must be 'infer' or 'train', got {task!r}")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     low = DTYPE_ALIASES[dtype]
-    chosen = [v for v in (variants or VARIANTS) if not (task == "infer" and v in TRAIN_ONLY) and not (task == "train" and v in INFER_ONLY)]
+    chosen = [v for v in (variants or VARIANTS) if not (task != "train" and v in TRAIN_ONLY) and not (task != "infer" and v in INFER_ONLY)]
     for v in chosen:
         if v not in VARIANTS:
             raise ValueError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")

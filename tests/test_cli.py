@@ -28,6 +28,17 @@ def test_bench_smoke(tmp_path, capsys):
     assert (tmp_path / "bench.csv").read_text().startswith("model,task,dtype,variant")
 
 
+def test_bench_forward_task_runs_eval_with_grad(tmp_path, capsys):
+    # The task that shows an exact module's grad-mode program (issue 18's encoder pathology was
+    # measured without grad; eager's program differs between the two).
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--model", "transformer_encoder", "--task", "forward", "--variants", "autocast",
+                 "graphamp", "graphamp_inference", "--rounds", "1", "--json", str(path)]) == 0
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {"autocast", "graphamp"}  # an inference-only variant has no forward with grad
+    assert rows["graphamp"]["max_err"] == 0.0 and rows["graphamp"]["task"] == "forward"
+
+
 def test_bench_rejects_unknown_model():
     with pytest.raises(SystemExit):
         main(["bench", "--model", "nope"])

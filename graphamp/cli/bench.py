@@ -11,7 +11,7 @@ import torch
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from graphamp.bench import BENCH_MODELS, DEFAULT_MODELS, VARIANTS
+    from graphamp.bench import BENCH_MODELS, DEFAULT_MODELS, TASKS, VARIANTS
 
     p = sub.add_parser("bench", help="compare graphamp with eager autocast and the alternatives")
     p.add_argument(
@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"built-in models ({', '.join(sorted(BENCH_MODELS))}) or pkg.module:factory for your own "
         "(returning a zoo.Case or (model, args[, kwargs])) (default: %(default)s)",
     )
-    p.add_argument("--task", choices=["infer", "train"], default="infer")
+    p.add_argument("--task", choices=list(TASKS), default="infer",
+                   help="infer: eval under no_grad; forward: eval with grad enabled, no backward; train: a training step")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS, help="default: all that apply to the task")
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: %(default)s)")
