@@ -327,8 +327,10 @@ def _random_ops(amp: AmpModule) -> list[str]:
     for node in amp.graph.nodes:
         if node.op == "call_function":
             name = getattr(getattr(node.target, "_schema", None), "name", "") or getattr(node.target, "__name__", "")
-            if name.split("::")[-1] in _RANDOM_OPS:
-                found.append(name.split("::")[-1])
+            short = name.split("::")[-1]
+            p = node.args[1] if short in ("dropout", "native_dropout") and len(node.args) > 1 else None
+            if short in _RANDOM_OPS and not (isinstance(p, (int, float)) and p == 0):  # dropout(p=0) draws nothing
+                found.append(short)
     return found
 
 

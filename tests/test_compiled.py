@@ -116,6 +116,9 @@ def test_dropout_in_training_is_not_compared_by_value():
     x = torch.randn(4, 8)
     cm = graphamp.convert(model, (x,), compile=True)
     assert not cm.drift.comparable and "dropout" in cm.drift.note and "not measured" in cm.drift.line()
+    assert cm.drift.dtypes_match  # dtypes and shapes still compared
+    model[1].p = 0.0  # dropout(p=0) draws nothing: values compare
+    assert measure_drift(graphamp.convert(model, (x,), compile=True), model, (x,)).comparable
 
 
 def test_compile_failure_raises_a_typed_error(monkeypatch):
