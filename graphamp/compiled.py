@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from graphamp.emit import AmpModule
-from graphamp.errors import GraphampError, InputMismatchError
+from graphamp.errors import GraphampError, InputMismatchError, InputShapeError
 from graphamp.spec import autocast_off
 
 __all__ = [
@@ -185,6 +185,10 @@ class CompiledAmpModule(nn.Module):
             return self.amp(*args, **kwargs)
         try:
             return self._call_compiled(args, kwargs)
+        except InputShapeError as e:  # another shape class: the uncompiled module converts for it
+            self.__dict__.setdefault("_refused_shapes", set()).add(_shapes_of(args, kwargs))
+            self._warn_fallback(e)
+            return self.amp(*args, **kwargs)
         except InputMismatchError:
             raise  # another dtype or structure: the uncompiled module refuses it too
         except Exception as e:

@@ -234,3 +234,28 @@ def test_a_compiled_program_with_other_dtypes_is_never_returned():
     assert got.dtype == want.dtype and fell_back == (not cm.drift.dtypes_match) == (not cm.runs_compiled)
     if fell_back:
         assert torch.equal(got, want)
+
+
+class BatchNotOne(nn.Module):
+    """Branches on ``batch != 1``: batch 1 is another shape class, which the converted module converts for."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if x.shape[0] != 1:
+            return h.softmax(-1) * 2
+        return h
+
+
+def test_another_shape_class_runs_uncompiled_and_exact():
+    model = BatchNotOne()
+    cm = graphamp.convert(model, (torch.randn(3, 4),), compile=True)
+    one = torch.randn(1, 4)
+    with pytest.warns(CompileFallbackWarning):
+        y = cm(one)
+    assert torch.equal(y, _autocast(model, one))
+    five = torch.randn(5, 4)
+    assert cm.runs_compiled and _close(cm(five), _autocast(model, five))  # the example's class: compiled
