@@ -250,12 +250,7 @@ class CompiledAmpModule(nn.Module):
     def __deepcopy__(self, memo: dict) -> CompiledAmpModule:
         import copy
 
-        amp = copy.deepcopy(self.amp, memo)
-        # GraphModule's deepcopy keeps only FX's own attributes; the conversion's record (frozen
-        # values) is shared with the copy.
-        for key in ("_graphamp", "_graphamp_signature", "_graphamp_arity"):
-            if key in self.amp.__dict__ and key not in amp.__dict__:
-                amp.__dict__[key] = self.amp.__dict__[key]
+        amp = copy.deepcopy(self.amp, memo)  # AmpModule's deepcopy keeps the conversion's record
         new = CompiledAmpModule(amp, freezing=self.__dict__["_freezing"], mode=self.__dict__["_mode"])
         new.meta = dict(self.meta)
         memo[id(self)] = new

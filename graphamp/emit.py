@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import copy
 import dataclasses
 import inspect
 import io
@@ -484,6 +485,14 @@ class AmpModule(GraphModule):
         if dataclasses.is_dataclass(check):
             body["meta"] = {**body["meta"], SELF_CHECK_META: dataclasses.asdict(check)}
         return (rebuild_amp_module, (body, import_block))
+
+    def __deepcopy__(self, memo: dict) -> AmpModule:
+        """A copy as ``torch.save``/``torch.load`` makes one (its own parameters, model and record
+        of the conversion); FX's deepcopy would keep only FX's attributes."""
+        rebuild, (body, import_block) = self.__reduce__()
+        new = rebuild(copy.deepcopy(body, memo), import_block)
+        memo[id(self)] = new
+        return new
 
     def cast_summary(self) -> dict[str, Any]:
         """Counts of graphamp's casts, by (from, to) dtype; how many are weight casts kept across

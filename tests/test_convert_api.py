@@ -240,6 +240,11 @@ def test_deepcopy():
     clone = copy.deepcopy(amp)
     assert_same_outputs(clone(x), amp(x))
     assert clone.a.weight is not model.a.weight
+    # the conversion's record travels (FX's own deepcopy dropped it), and a copied inference module
+    # still runs under no_grad
+    assert clone.graphamp_info == amp.graphamp_info
+    frozen = copy.deepcopy(graphamp.convert(model, (x,), inference=True))
+    assert not frozen(x)[0].requires_grad
 
 
 def test_no_runtime_autocast_even_inside_an_ambient_region():
