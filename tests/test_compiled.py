@@ -259,3 +259,13 @@ def test_another_shape_class_runs_uncompiled_and_exact():
     assert torch.equal(y, _autocast(model, one))
     five = torch.randn(5, 4)
     assert cm.runs_compiled and _close(cm(five), _autocast(model, five))  # the example's class: compiled
+
+
+def test_verify_reports_the_compiled_drift_apart_from_ok():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16))
+    x = torch.randn(4, 16)
+    report = graphamp.verify(model, (x,), compile=True)
+    assert report.ok and report.compiled_drift is not None  # ok is the exact conversion's
+    assert "compiled (convert(..., compile=True), inductor, not bitwise)" in str(report)
+    assert graphamp.verify(model, (x,)).compiled_drift is None

@@ -25,6 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also backpropagate a fixed loss through both sides and compare every parameter's and "
         "floating input's gradient, naming the first divergent backward node (needs --device-type cpu, or a GPU)",
     )
+    p.add_argument(
+        "--compile", action="store_true",
+        help="also measure the drift of convert(..., compile=True) (inductor, not bitwise) from eager autocast",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.set_defaults(func=main)
 
@@ -33,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
     import graphamp
 
     model, inputs, kwargs = load_model(args)
-    report = graphamp.verify(model, inputs, kwargs, dtype=args.dtype, device_type=args.device_type, grads=args.grads)
+    report = graphamp.verify(model, inputs, kwargs, dtype=args.dtype, device_type=args.device_type, grads=args.grads, compile=args.compile)
     print(report)
     if args.json:
         report.to_json(args.json)

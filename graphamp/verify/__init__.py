@@ -20,6 +20,8 @@ and dtypes are compared, values are not (the report says so).
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import torch
@@ -49,6 +51,7 @@ def verify(
     mode: str = "exact",
     config: Config | None = None,
     grads: bool = False,
+    compile: bool = False,
 ) -> Report:
     """Convert ``model`` and check the result against eager ``torch.autocast`` on the same inputs.
 
@@ -65,6 +68,10 @@ def verify(
     report names the first node, walking back from the outputs, whose output gradient differs
     from eager's (``report.grad_divergence``). Gradients need real tensors: with fake CUDA
     (``device_type="cuda"`` without a GPU) ``grads=True`` raises ``ValueError``.
+
+    ``compile=True`` also measures the compiled module's drift (``convert(..., compile=True)``, through
+    inductor: not bitwise) from eager autocast on these inputs, outputs and, with ``grads``, gradients,
+    in ``report.compiled_drift``; it does not change ``report.ok``, which is the exact conversion's.
 
     Returns:
         A :class:`Report`: per output dtype match, bitwise equality, max abs and relative error
@@ -87,7 +94,15 @@ def verify(
     >>> assert report.ok and [g.name for g in report.grads][-2:] == ["0.norm.bias", "args[0]"]
     """
     args, kwargs = check_inputs(model, args, kwargs, "graphamp.verify")
-    return _verify(model, args, kwargs, dtype=dtype, device_type=device_type, mode=mode, config=config, grads=grads)
+    report = _verify(model, args, kwargs, dtype=dtype, device_type=device_type, mode=mode, config=config, grads=grads)
+    if compile:
+        from graphamp.compiled import measure_drift
+        from graphamp.convert import convert
+
+        cm = convert(model, args, kwargs, dtype=dtype, device_type=device_type, mode=mode, config=config, compile=True, self_check="off")
+        drift = measure_drift(cm, model, args, kwargs, grads=grads) if getattr(cm, "runs_compiled", False) else getattr(cm, "drift", None)
+        report = dataclasses.replace(report, compiled_drift=drift)
+    return report
 
 
 def _verify(

@@ -160,6 +160,9 @@ class Report:
     grads_compared: bool = False
     grads: tuple[GradCheck, ...] = ()
     grad_divergence: GradDivergence | None = None
+    # With compile=True: the compiled module's (convert(..., compile=True)) difference from eager
+    # autocast, a graphamp.Drift. Not part of ok: inductor is not bitwise, and says so.
+    compiled_drift: Any = None
 
     @property
     def ok(self) -> bool:
@@ -204,6 +207,8 @@ class Report:
             lines.append(f"  runs of ops present on one side only: {self.structure_differences}")
         if self.grads_compared:
             lines.extend(self._grad_lines())
+        if self.compiled_drift is not None:
+            lines.append(f"  compiled (convert(..., compile=True), inductor, not bitwise): {self.compiled_drift.line()}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
