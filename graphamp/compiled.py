@@ -491,19 +491,6 @@ class CompiledOptimizerStep:
 
     def bound(self) -> Any:
         """A context in which ``optimizer.step`` is this compiled step."""
-        import contextlib
+        from graphamp.probe import attribute_bound
 
-        @contextlib.contextmanager
-        def bind() -> Any:
-            opt = self.optimizer
-            previous = opt.__dict__.get("step")
-            opt.step = self
-            try:
-                yield
-            finally:
-                if previous is None:
-                    del opt.step
-                else:
-                    opt.step = previous
-
-        return bind()
+        return attribute_bound(self.optimizer, "step", self)

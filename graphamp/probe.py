@@ -89,3 +89,18 @@ def eager_sdpa_calls(model: nn.Module, args: tuple, kwargs: dict, *, device_type
         # The probe is advisory: a model that cannot run here keeps its traced attention.
         return None
     return recorder.calls
+
+
+@contextlib.contextmanager
+def attribute_bound(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """``obj.<name>`` is ``value`` for the duration, as an instance attribute (it shadows the class's:
+    a module's ``forward``, an optimizer's ``step``); an instance attribute there before comes back."""
+    previous = obj.__dict__.get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if previous is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, previous)

@@ -33,6 +33,7 @@ from graphamp.config import Config
 from graphamp.convert import _convert
 from graphamp.emit import AmpModule
 from graphamp.errors import InputMismatchError
+from graphamp.probe import attribute_bound
 from graphamp.self_check import SELF_CHECK_META, applies, check_against_eager, check_self_check
 from graphamp.spec import AmpSpec, autocast_off, check_device
 
@@ -153,18 +154,9 @@ def _check_args(
         raise ValueError(f"accumulate must be at least 1 (1 steps on every call), got {accumulate}")
 
 
-@contextlib.contextmanager
-def _forward_through(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+def _forward_through(module: nn.Module, forward: Callable[..., Any]) -> contextlib.AbstractContextManager:
     """Bind ``module.forward`` to ``forward`` for the duration, so a wrapper calling it runs the graph."""
-    previous = module.__dict__.get("forward")  # someone else's instance-level forward, if any
-    module.forward = forward  # an instance attribute shadows the class's forward
-    try:
-        yield
-    finally:
-        if previous is None:
-            del module.forward
-        else:
-            module.forward = previous
+    return attribute_bound(module, "forward", forward)
 
 
 def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:

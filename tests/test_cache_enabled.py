@@ -20,7 +20,7 @@ from graphamp.backend.options import BackendOptions
 from graphamp.errors import OptionError
 from graphamp.self_check import SELF_CHECK_META
 from graphamp.verify.reference import count_casts, trace
-from helpers import float_leaves
+from helpers import TransposedProjection, float_leaves
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 CACHE = pytest.mark.parametrize("cache_enabled", [True, False], ids=["cache", "no_cache"])
@@ -166,17 +166,6 @@ def test_a_leaf_input_used_twice_is_cast_per_use(dtype: torch.dtype) -> None:
     got = input_grad(amp, x)
     assert torch.equal(got, input_grad(eager(False), x))
     assert not torch.equal(got, input_grad(eager(True), x))
-
-
-class TransposedProjection(nn.Module):
-    """A linear over a transposed (non-contiguous) 3-D map: matmul's kernel reads requires_grad."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.proj = nn.GroupNorm(4, 64), nn.Linear(64, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x.flatten(2)).transpose(1, 2))
 
 
 @pytest.mark.parametrize("inference", [False, True], ids=["exact", "inference"])

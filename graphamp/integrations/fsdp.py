@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from graphamp.errors import CaptureError, GraphampError, InputMismatchError
+from graphamp.probe import attribute_bound
 from graphamp.spec import AmpSpec
 
 __all__ = ["FSDP_META", "FsdpUnitCall", "UnitInputError", "convert_sharded", "is_sharded", "self_check", "sharded_after_conversion", "sharded_units"]
@@ -189,18 +190,9 @@ def _stub(unit: _Unit, *args: Any, **kwargs: Any) -> Any:
     return pytree.tree_unflatten(list(flat), unit.out_spec)
 
 
-@contextlib.contextmanager
-def _forward_bound(module: nn.Module, forward: Any) -> Iterator[None]:
+def _forward_bound(module: nn.Module, forward: Any) -> contextlib.AbstractContextManager:
     """``module.forward`` is ``forward`` for the duration (an instance attribute shadows the class's)."""
-    previous = module.__dict__.get("forward")
-    module.forward = forward
-    try:
-        yield
-    finally:
-        if previous is None:
-            del module.forward
-        else:
-            module.forward = previous
+    return attribute_bound(module, "forward", forward)
 
 
 @contextlib.contextmanager
