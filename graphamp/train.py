@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from numbers import Real
 from typing import Any
 
