@@ -14,6 +14,7 @@ from torch import nn
 from torch._dynamo.exc import BackendCompilerFailed
 
 import factories
+import graphamp.backend
 import graphamp.backend.observe as observe
 from graphamp.errors import EagerPathWarning, PolicyDriftError
 from graphamp.backend.observe import frame_arguments
@@ -204,10 +205,37 @@ class ReadsDtype(nn.Module):
         return self.weight * h.to(input_dtype)
 
 
-def test_code_reading_dtypes_outside_autocast_warns_with_the_way_out():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_code_reading_dtypes_outside_autocast_follows_eagers_dtypes(dtype):
+    # Dynamo traced h.to(input_dtype) as h.to(torch.float32); the backend gives it eager's dtype.
     torch.manual_seed(0)
     model, x = ReadsDtype(), torch.randn(4, 16)
-    with pytest.warns(EagerPathWarning, match=r"ReadsDtype.forward.*torch.autocast\('cpu', dtype=torch.bfloat16\)"):
+    ref, ref_grads = run_eager(model, (x,), {}, dtype, grads=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerPathWarning)
+        out, grads = run_compiled(compiled(model, dtype), model, (x,), {})
+    assert_same_outputs(out, ref)
+    assert_same_grads(grads, ref_grads)
+
+
+class BranchesOnDtype(nn.Module):
+    """Code that runs other calls when its input is low precision: no graph call can follow it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.proj(x)
+        if h.dtype != torch.float32:
+            h = h.to(torch.float32).softmax(-1).to(h.dtype)
+        return h * 2
+
+
+def test_code_taking_another_path_under_autocast_warns_with_the_way_out():
+    torch.manual_seed(0)
+    model, x = BranchesOnDtype(), torch.randn(4, 16)
+    with pytest.warns(EagerPathWarning, match=r"BranchesOnDtype.forward.*another path.*torch.autocast\('cpu', dtype=torch.bfloat16\)"):
         out = compiled(model, torch.bfloat16)(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = model(x)
@@ -248,7 +276,22 @@ class MasksWithDtypeMin(nn.Module):
         return scores.masked_fill(mask, torch.finfo(scores.dtype).min).softmax(-1)
 
 
-def test_fill_value_beyond_the_low_dtype_is_a_typed_error_with_the_way_out():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fill_value_from_the_dtype_outside_autocast_follows_eager(dtype):
+    # Dynamo traced torch.finfo(scores.dtype).min as fp32's -3.4e38; eager autocast fills the low dtype's.
+    torch.manual_seed(0)
+    model, x, mask = MasksWithDtypeMin(), torch.randn(2, 8), torch.rand(2, 8) > 0.5
+    ref, ref_grads = run_eager(model, (x, mask), {}, dtype, grads=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerPathWarning)
+        out, grads = run_compiled(compiled(model, dtype), model, (x, mask), {})
+    assert_same_outputs(out, ref)
+    assert_same_grads(grads, ref_grads)
+
+
+def test_fill_value_beyond_the_low_dtype_is_a_typed_error_with_the_way_out(monkeypatch):
+    # Where the frame cannot be observed, the fill value stays fp32's, and the check catches it.
+    monkeypatch.setattr(graphamp.backend, "compiled_frame", lambda: None)
     model, x, mask = MasksWithDtypeMin(), torch.randn(2, 8), torch.rand(2, 8) > 0.5
     with pytest.raises(BackendCompilerFailed) as info:
         compiled(model, torch.bfloat16)(x, mask)

@@ -38,7 +38,8 @@ from graphamp.passes import build_pipeline, check_dtypes, run_passes
 from graphamp.policy import DEVICE_TYPES
 from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type, resolve_dtype
 from graphamp.backend.options import BackendOptions
-from graphamp.backend.observe import Frame, compiled_frame, observe_eager_frame, warn_if_fp32_program
+from graphamp.backend.eager_dtypes import follow_eager_dtypes
+from graphamp.backend.observe import Frame, compiled_frame, observe_eager_frame
 from graphamp.backend.retrace import _retrace
 from graphamp.backend.fill_values import check_fill_values
 from graphamp.backend.options import INNER_COMPILERS
@@ -82,8 +83,9 @@ def graphamp_backend(
     ambient = torch.is_autocast_enabled(device_type)
     frame = compiled_frame()
     if not ambient and spec.mode == "exact":
-        # Outside torch.autocast dynamo traced the model's Python in fp32; say so where it matters.
-        warn_if_fp32_program(frame, device_type=device_type, dtype=spec.dtype)
+        # Outside torch.autocast dynamo traced the model's Python in fp32: give the graph the dtypes
+        # eager autocast's Python passes, and say so where it cannot.
+        follow_eager_dtypes(gm, frame, device_type=device_type, dtype=spec.dtype)
     with autocast_off():
         amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=frame)
         compiled = _hand_off(amp_gm, example_inputs, opts.inner, mode)

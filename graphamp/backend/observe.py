@@ -35,7 +35,7 @@ from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_he
 from graphamp.probe import SdpaCall, _state_restored, eager_sdpa_calls
 from graphamp.spec import ambient_autocast
 
-__all__ = ["Frame", "compiled_frame", "dtype_arguments", "observe_eager_frame", "warn_if_fp32_program"]
+__all__ = ["DtypeCall", "Frame", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "frame_name", "observe_eager_frame"]
 
 
 class Frame(NamedTuple):
@@ -153,30 +153,59 @@ def observe_eager_frame(gm: GraphModule, *, device_type: str, dtype: torch.dtype
         gm.meta[EAGER_SDPA] = calls[: len(nodes)]
 
 
-class _RecordDtypes(TorchFunctionMode):
-    """Every (function, dtype) pair the code passes a ``torch.dtype`` to: ``x.to(input_dtype)``."""
+class DtypeCall(NamedTuple):
+    """One call that passes a floating dtype (or a constant read from one): ``x.to(input_dtype)``."""
+
+    name: str
+    constants: tuple[Any, ...]
+
+
+def dtype_constants(args: Any, kwargs: Any) -> tuple[Any, ...]:
+    """The floating dtypes, and floats that are a floating dtype's ``finfo`` limit, among a call's
+    arguments, in pytree order: the values code derives from a tensor's dtype.
+
+    >>> dtype_constants((1, torch.float32), {"value": torch.finfo(torch.float32).min, "k": 2.0})
+    (torch.float32, -3.4028234663852886e+38)
+    """
+    return tuple(leaf for leaf in pytree.tree_leaves((args, kwargs)) if _dtype_constant(leaf))
+
+
+_FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_LIMITS = frozenset(getattr(torch.finfo(d), a) * s for d in _FLOATING for a in ("min", "max", "eps", "tiny") for s in (1, -1))
+
+
+def _dtype_constant(leaf: Any) -> bool:
+    if isinstance(leaf, torch.dtype):
+        return leaf in _FLOATING
+    return type(leaf) is float and leaf in _LIMITS
+
+
+def call_name(func: Any) -> str:
+    """A function's short name, the same for a torch function and dynamo's node of it ("to", "zeros")."""
+    name = func if isinstance(func, str) else getattr(func, "__name__", None) or str(func)
+    return name.rsplit(".", 1)[-1]
+
+
+class _RecordDtypeCalls(TorchFunctionMode):
+    """Every call that passes dtype constants, in order."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: set[tuple[str, torch.dtype]] = set()
+        self.calls: list[DtypeCall] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.dtype):
-                self.calls.add((getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func)), leaf))
+        constants = dtype_constants(args, kwargs)
+        if constants:
+            self.calls.append(DtypeCall(call_name(func), constants))
         return func(*args, **kwargs)
 
 
-def dtype_arguments(frame: Frame, *, device_type: str, dtype: torch.dtype | None) -> set[tuple[str, torch.dtype]] | None:
-    """The (function, dtype) pairs the frame's code passes when run eagerly, under autocast to
-    ``dtype`` (None: without autocast); None if it cannot run.
-
-    A set, not a sequence: how often a loop runs may depend on values (which experts a router
-    picks), and those differ between the two runs without the code choosing another program.
-    """
+def dtype_calls(frame: Frame, *, device_type: str, dtype: torch.dtype | None) -> list[DtypeCall] | None:
+    """The calls passing dtype constants that the frame's code makes when run eagerly, in order,
+    under autocast to ``dtype`` (None: without autocast); None if it cannot run."""
     call = _EagerCall(frame.fn, _modules_reached(frame))
-    recorder = _RecordDtypes()
+    recorder = _RecordDtypeCalls()
     region = ambient_autocast(device_type, dtype) if dtype is not None else contextlib.nullcontext()
     try:
         args, kwargs = _fresh_arguments(frame)
@@ -187,30 +216,7 @@ def dtype_arguments(frame: Frame, *, device_type: str, dtype: torch.dtype | None
     return recorder.calls
 
 
-def _name_of(frame: Frame) -> str:
+def frame_name(frame: Frame) -> str:
+    """The frame's name for messages: the forward of the first module it reaches, else its function."""
     modules = _modules_reached(frame)
     return f"{type(modules[0]).__name__}.forward" if modules else frame.fn.__qualname__
-
-
-def warn_if_fp32_program(frame: Frame | None, *, device_type: str, dtype: torch.dtype) -> bool:
-    """Warn if the frame's code, which dynamo traced without autocast, passes other dtypes under
-    autocast (``x.to(input_dtype)`` after reading a tensor's dtype): the graph holds the fp32
-    program's choices, so its values may differ from eager autocast's. Returns whether it warned.
-    """
-    if frame is None:
-        return False
-    low = dtype_arguments(frame, device_type=device_type, dtype=dtype)
-    fp32 = dtype_arguments(frame, device_type=device_type, dtype=None)
-    if low is None or fp32 is None or low == fp32:
-        return False
-    only_low = sorted(f"{name}(..., {d})" for name, d in low - fp32)
-    warnings.warn(
-        f"{_name_of(frame)} reads tensor dtypes to choose its program: under autocast it calls "
-        f"{', '.join(only_low[:4]) or 'other dtype arguments'}, which dynamo, tracing without autocast, "
-        "did not see (it traced the fp32 program, e.g. RMSNorm's x.to(input_dtype) as a no-op), so the "
-        "compiled values may differ from eager autocast's. Way out: call the compiled model inside "
-        f"torch.autocast({device_type!r}, dtype={dtype}); graphamp's casts stay the only ones applied.",
-        EagerPathWarning,
-        stacklevel=3,
-    )
-    return True

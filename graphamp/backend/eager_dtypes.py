@@ -1,0 +1,109 @@
+"""Give dynamo's graph the dtype constants eager autocast's Python passes, where it traced fp32's.
+
+Outside ``torch.autocast`` dynamo traces the model's Python in fp32, so code that reads a tensor's
+dtype bakes fp32's answer into the graph as a constant: RMSNorm's ``h.to(input_dtype)``, a router's
+``weights.to(hidden.dtype)``, DeBERTa's ``masked_fill(mask, torch.finfo(scores.dtype).min)``. Under
+eager autocast the same lines read bf16 and pass bf16 and its limits. The backend runs the frame
+eagerly without and with autocast (:func:`graphamp.backend.observe.dtype_calls`), matches the
+graph's calls that pass such constants to the fp32 run's calls in order (a sequence alignment on
+the call's name and constants: the graph may hold calls eager skips, such as a mask built only
+when compiling, and miss calls made after a graph break), and gives each matched call the
+constants of the autocast run. A constant eager changes that no graph call matches cannot be
+followed: that is an ``EagerPathWarning`` with the way out.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_aggregate
+
+from graphamp.backend.observe import DtypeCall, Frame, call_name, dtype_calls, dtype_constants, frame_name
+from graphamp.errors import EagerPathWarning
+
+__all__ = ["follow_eager_dtypes", "graph_dtype_calls", "align"]
+
+
+def graph_dtype_calls(gm: GraphModule) -> list[tuple[Node, DtypeCall]]:
+    """The graph's calls that pass dtype constants, in graph order."""
+    calls = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            constants = dtype_constants(node.args, node.kwargs)
+            if constants:
+                calls.append((node, DtypeCall(call_name(node.target), constants)))
+    return calls
+
+
+def align(graph: list[DtypeCall], eager: list[DtypeCall]) -> dict[int, int]:
+    """Which eager call each graph call is, by the longest matching runs of equal calls.
+
+    >>> a, b, c = DtypeCall("to", (torch.float32,)), DtypeCall("zeros", (torch.float32,)), DtypeCall("full", (torch.float32,))
+    >>> align([a, c, b], [a, b])
+    {0: 0, 2: 1}
+    """
+    matcher = difflib.SequenceMatcher(None, graph, eager, autojunk=False)
+    return {block.a + k: block.b + k for block in matcher.get_matching_blocks() for k in range(block.size)}
+
+
+def _with_constants(node: Node, constants: tuple) -> None:
+    """Replace the node's dtype constants, in order, by ``constants``."""
+    remaining = iter(constants)
+
+    def swap(leaf):
+        return next(remaining) if dtype_constants((leaf,), {}) else leaf
+
+    node.args, node.kwargs = map_aggregate((node.args, node.kwargs), swap)
+
+
+def follow_eager_dtypes(gm: GraphModule, frame: Frame | None, *, device_type: str, dtype: torch.dtype) -> bool:
+    """Rewrite the constants of ``gm`` (traced outside autocast) to those eager autocast's Python
+    passes; warn about those it cannot match. Returns whether the graph changed."""
+    if frame is None:
+        return False
+    fp32 = dtype_calls(frame, device_type=device_type, dtype=None)
+    low = dtype_calls(frame, device_type=device_type, dtype=dtype)
+    if fp32 is None or low is None or fp32 == low:
+        return False
+    if [(c.name, len(c.constants)) for c in fp32] != [(c.name, len(c.constants)) for c in low]:
+        _warn(frame, device_type, dtype, "under autocast it takes another path (other calls pass dtypes)")
+        return False
+    graph = graph_dtype_calls(gm)
+    matched = align([call for _, call in graph], fp32)
+    for i, j in matched.items():
+        if low[j] != fp32[j]:
+            _with_constants(graph[i][0], low[j].constants)
+    followed = set(matched.values())
+    # A graph that ends at a graph break holds the frame's calls up to its last match; the graph
+    # after the break follows the rest itself. A changed call in the graph's span that no node
+    # matched is lost.
+    span = max(followed, default=-1) + 1 if _ends_at_graph_break(gm) else len(fp32)
+    missed = [fp32[j] for j in range(span) if low[j] != fp32[j] and j not in followed]
+    if missed:
+        _warn(frame, device_type, dtype, f"it passes {_describe(missed, low)} where the graph holds no matching call")
+    if matched:
+        gm.recompile()
+    return bool(matched)
+
+
+def _ends_at_graph_break(gm: GraphModule) -> bool:
+    reason = getattr(gm, "compile_subgraph_reason", None)  # dynamo's, on the graphs it hands over
+    return bool(getattr(reason, "graph_break", False))
+
+
+def _describe(missed: list[DtypeCall], low: list[DtypeCall]) -> str:
+    return ", ".join(f"{c.name}(..., {', '.join(map(str, c.constants))})" for c in missed[:3])
+
+
+def _warn(frame: Frame, device_type: str, dtype: torch.dtype, what: str) -> None:
+    warnings.warn(
+        f"{frame_name(frame)} reads tensor dtypes to choose its program, and {what}: dynamo, tracing "
+        "without autocast, traced the fp32 program there (e.g. RMSNorm's x.to(input_dtype) as a no-op), "
+        "so the compiled values may differ from eager autocast's. Way out: call the compiled model inside "
+        f"torch.autocast({device_type!r}, dtype={dtype}); graphamp's casts stay the only ones applied.",
+        EagerPathWarning,
+        stacklevel=4,
+    )
