@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import sys
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -418,6 +421,34 @@ def test_timings_that_never_settle_decide_now_but_are_not_cached(tmp_path):
     assert not MeasurementCache(path)._load()  # nothing disturbed was written for later conversions
     again = autotuned(model, (x,), FakeTimer(low_faster), cache=MeasurementCache(path))
     assert graphamp.AutotunePlan.of(again).measured == 2
+
+
+def test_a_steady_large_ratio_settles_in_three_rounds_and_is_cached(tmp_path):
+    # A CPU that emulates the low dtype makes it 50x slower, every round: real, not a burst.
+    model, (x,) = mlp()
+    calls = []
+
+    def emulated(fn, trial):
+        calls.append(trial)
+        return 50.0 if trial.dtype is not torch.float32 else 1.0
+
+    path = tmp_path / "cache.json"
+    amp = autotuned(model, (x,), emulated, cache=MeasurementCache(path))
+    plan = graphamp.AutotunePlan.of(amp)
+    assert plan.raised == ("linear", "linear_1") and len(calls) == 2 * 2 * 3  # two ops, three rounds each
+    assert graphamp.AutotunePlan.of(autotuned(model, (x,), emulated, cache=MeasurementCache(path))).cached == 2
+
+
+def test_wall_timer_times_a_slow_call_once():
+    autotune = sys.modules["graphamp.passes.autotune"]  # the package exports the pass under its name
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(autotune._SLOW_CALL_S * 1.2)
+
+    t = autotune.wall_timer(slow, autotune.Trial("mm", torch.float16, ((8, 8),), torch.device("cpu")))
+    assert len(calls) == 1 and t >= autotune._SLOW_CALL_S
 
 
 class Cancels(nn.Module):

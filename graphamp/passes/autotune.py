@@ -95,17 +95,26 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return (lambda: sync(device)) if sync is not None else (lambda: None)
 
 
+_SLOW_CALL_S = 0.1
+
+
 def wall_timer(fn: Callable[[], Any], trial: Trial) -> float:
     """Seconds per call of ``fn``: the fastest of at least 3 calls after a warm-up call, more (at
     most 20) while under 20 ms in total; the device is synchronized after each call. The fastest
-    call is the one least disturbed by other work on the machine.
+    call is the one least disturbed by other work on the machine. A call slower than 0.1 s (a low
+    dtype this CPU emulates) is timed by its warm-up call alone: the rounds of ``_time_pair`` repeat
+    it, and four calls a round would spend the measuring budget on one op.
 
     >>> t = wall_timer(lambda: torch.ones(8) * 2, Trial("mul", torch.float32, ((8,),), torch.device("cpu")))
     >>> assert 0 < t < 1
     """
     sync = _synchronizer(trial.device)
+    start = time.perf_counter()
     fn()
     sync()
+    first = time.perf_counter() - start
+    if first > _SLOW_CALL_S:
+        return first  # the warm-up's own costs are noise next to such a call
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < 3 or (len(times) < 20 and time.perf_counter() - start < 0.02):
@@ -185,7 +194,7 @@ def _default_cache() -> MeasurementCache:
 class _Settings:
     timer: Timer = wall_timer
     cache: MeasurementCache | None = None
-    budget_s: float = 3.0
+    budget_s: float = 10.0
     margin: float = 0.05
     check_accuracy: bool = True
 
@@ -624,10 +633,12 @@ _MAX_ROUNDS = 4
 def _time_pair(timer: Timer, run_low: Callable[[], Any], trial_low: Trial, run_fp32: Callable[[], Any], trial_fp32: Trial) -> tuple[float, float, bool]:
     """(low s, fp32 s, settled): each the fastest of rounds timed alternately (low, fp32, ...).
 
-    Two rounds at least; up to four while the two fastest rounds of a dtype differ by more than 2x or
-    the two dtypes by more than ``_SUSPECT_RATIO``: on a shared machine a burst of load can slow every call of one timing, and
-    the fastest round is the least disturbed. ``settled`` says the last test passed; a pair that never
-    settled decides this conversion but is not kept in the cache, where it would decide every later one.
+    Two rounds at least; up to four while the two fastest rounds of a dtype differ by more than 2x:
+    on a shared machine a burst of load can slow every call of one timing, and the fastest round is
+    the least disturbed. Dtypes more than ``_SUSPECT_RATIO`` apart take a third round, which must
+    agree too (a CPU that emulates the low dtype makes 50x real). ``settled`` says the last test
+    passed; a pair that never settled decides this conversion but is not kept in the cache, where it
+    would decide every later one.
     """
     lows, fp32s = [], []
     settled = False
@@ -640,7 +651,7 @@ def _time_pair(timer: Timer, run_low: Callable[[], Any], trial_low: Trial, run_f
         if min(low, fp32) <= 0:
             break
         # The two fastest rounds of each dtype agree, and the dtypes differ plausibly: done.
-        if max(low2 / low, fp32_2 / fp32) <= 2.0 and max(low / fp32, fp32 / low) <= _SUSPECT_RATIO:
+        if max(low2 / low, fp32_2 / fp32) <= 2.0 and (max(low / fp32, fp32 / low) <= _SUSPECT_RATIO or len(lows) >= 3):
             settled = True
             break
     return min(lows), min(fp32s), settled
