@@ -126,6 +126,11 @@ def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: d
             "Way out: for inference under torch.no_grad, convert(..., inference=True), which follows eager's "
             "no_grad path; call this module with grad enabled otherwise."
         )
+    elif _torch_compile_agrees(amp, got, model, args, kwargs, spec, grads=grads):
+        way_out = _TORCH_COMPILE_OWN.format(
+            what="outputs and gradients" if grads else "outputs",
+            refused=str(amp.cast_summary().get("reason", "")).strip().splitlines()[0][:200],
+        )
     elif other_path:
         way_out = (
             "Some ops ran on one side only: the model's code takes another path when traced than in eager "
@@ -149,6 +154,35 @@ def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: d
         raise PolicyDriftError(message)
     warnings.warn(message, PolicyDriftWarning, stacklevel=3)
     return result
+
+
+_TORCH_COMPILE_OWN = (
+    "torch.compile without graphamp (backend=\"aot_eager\", under the same torch.autocast) gives bit for bit the "
+    "same {what} as this module: the difference is torch.compile's own, not graphamp's casts. (AOTAutograd "
+    "differentiates each graph between graph breaks whole: where a tensor's gradient gathers contributions "
+    "from more than one graph, or from a graph and an output that returns the tensor itself, it sums them in "
+    "another order than eager's autograd engine, in fp32 as under autocast.) Way out: let torch.export capture "
+    "the model whole, so that convert needs no graph breaks (it refused: {refused}); or eager torch.autocast; "
+    "convert(..., self_check='warn') returns the module anyway, computing what torch.compile computes."
+)
+
+
+def _torch_compile_agrees(
+    amp: nn.Module, got: _Side, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, grads: bool
+) -> bool:
+    """Whether convert's dynamo fallback differs from eager exactly as plain torch.compile does."""
+    from graphamp.capture.dynamo import DynamoAmpModule
+
+    if not isinstance(amp, DynamoAmpModule):
+        return False
+    compiled = torch.compile(model, backend="aot_eager")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = _run(lambda: _autocast_call(compiled, args, kwargs, spec), model, grads=grads, no_grad=spec.inference)
+    except Exception:  # torch.compile alone cannot run it: no comparison, the generic message stands
+        return False
+    return not _difference(got, theirs, keep_io_types=False)
 
 
 class _Side:

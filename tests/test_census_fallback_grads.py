@@ -1,0 +1,74 @@
+"""Census models that convert's dynamo fallback could not make exact (issue 17): the DETR family,
+ViLT, Switch Transformers and NLLB-MoE differ in gradients, and plain torch.compile differs from
+eager the same way. The self-check must say so, not call it a graphamp bug."""
+
+import pytest
+import torch
+from torch import nn
+
+import graphamp
+from helpers import _run, run_eager
+
+
+class SharedAcrossBreak(nn.Module):
+    """DETR's encoder layer in training: a value branch (``if not torch.isfinite(h).all()``) breaks
+    the graph, and the tensor before it is both returned and used three times after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.norm(x)
+        if not torch.isfinite(h).all():
+            h = h.clamp(-1e4, 1e4)
+        return h, self.a(h) + self.b(h) + self.c(h)
+
+
+def _compiled_grads(model, x, *, autocast: bool):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+
+    def call():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return compiled(x)
+
+    try:
+        return _run(call, model, grads=True)[1]
+    finally:
+        torch._dynamo.reset()
+
+
+def test_torch_compile_alone_sums_gradients_across_a_graph_break_in_another_order_even_in_fp32():
+    # The mechanism, without graphamp: AOTAutograd sums the three uses of h inside the second
+    # graph's backward, then the engine adds the returned h's gradient; eager adds all four in turn.
+    torch.manual_seed(0)
+    model, x = SharedAcrossBreak(), torch.randn(2, 8, 16)
+    fp32 = _run(lambda: model(x), model, grads=True)[1]
+    assert not torch.equal(_compiled_grads(model, x, autocast=False)["norm.weight"], fp32["norm.weight"])
+    bf16 = run_eager(model, (x,), {}, torch.bfloat16, grads=True)[1]
+    assert not torch.equal(_compiled_grads(model, x, autocast=True)["norm.weight"], bf16["norm.weight"])
+
+
+def test_the_fallbacks_gradient_difference_that_torch_compile_shares_is_named_as_torch_compiles():
+    torch.manual_seed(0)
+    model, x = SharedAcrossBreak(), torch.randn(2, 8, 16)
+    with pytest.raises(graphamp.PolicyDriftError) as info:
+        graphamp.convert(model, (x,))
+    message = str(info.value)
+    assert "gradient of norm.weight differs" in message
+    assert "torch.compile's own, not graphamp's casts" in message and "graph break" in message
+    assert "graphamp bug" not in message
+    assert "data-dependent" in message  # why torch.export refused, which is the way out
+
+
+def test_the_fallback_computes_what_torch_compile_computes():
+    torch.manual_seed(0)
+    model, x = SharedAcrossBreak(), torch.randn(2, 8, 16)
+    with pytest.warns(graphamp.PolicyDriftWarning, match="torch.compile's own"):
+        amp = graphamp.convert(model, (x,), self_check="warn")
+    assert isinstance(amp, graphamp.DynamoAmpModule)
+    got = _run(lambda: amp(x), model, grads=True)[1]
+    want = _compiled_grads(model, x, autocast=True)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
