@@ -44,15 +44,20 @@ def assert_exact_compiled(model, args, *, ambient=True):
 
 
 # torch.vmap in forward (hf/jamba's and hf/falcon_mamba's associative_scan under dynamo): dynamo's
-# graph holds functorch's vmap markers, which the re-trace must record, not run unrecorded.
+# graph holds functorch's vmap markers. Run unrecorded in the re-trace, their batched tensors
+# reached the tracer as constants (BackendCompilerFailed: "NYI: querying is_contiguous inside of
+# vmap"); and eager autocast inside vmap casts the ops a batching rule calls, not the op: under
+# vmap, linear with a bias is fp32 (bf16 mm + fp32 add) while x @ w is bf16.
 
-class VmappedLinear(nn.Module):
+class VmappedLayers(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, 4))
 
     def forward(self, x):
-        return torch.vmap(lambda row: self.lin(row).relu())(x)
+        y = torch.vmap(lambda row: (self.lin(row).relu(), row @ self.w))(x)
+        return self.lin(y[0]) + y[1]
 
 
 class AssociativeScan(nn.Module):
@@ -72,7 +77,21 @@ class AssociativeScan(nn.Module):
         return s
 
 
+class FuncTransforms(nn.Module):
+    """torch.func.jvp and torch.func.grad in forward: their regions are kept whole too."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        tangent = torch.func.jvp(lambda r: self.lin(r).tanh(), (x,), (torch.ones_like(x),))[1]
+        grad = torch.func.grad(lambda r: self.lin(r).tanh().float().sum())(x)
+        return self.lin(tangent) * grad
+
+
 @pytest.mark.parametrize("ambient", [True, False], ids=["inside-autocast", "outside"])
-def test_associative_scan(ambient):
+@pytest.mark.parametrize("cls", [VmappedLayers, AssociativeScan, FuncTransforms])
+def test_vmap_region(cls, ambient):
     torch.manual_seed(0)
-    assert_exact_compiled(AssociativeScan(), (torch.randn(2, 5, 4),), ambient=ambient)
+    assert_exact_compiled(cls(), (torch.randn(2, 5, 4),), ambient=ambient)

@@ -20,6 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx, track_tensor_tree
 from graphamp.capture.functions import _below_tracer
 from graphamp.spec import ambient_autocast
 from graphamp.backend.fast_paths import composite_for
+from graphamp.backend.functorch_regions import REGION_STARTS, KeptRegion, region_module, region_nodes, run_region
 from graphamp.node_info import NodeInfo
 from graphamp.policy import Policy
 from graphamp.runtime import KeptGraphFunction, apply_graph_function, current_autocast_state
@@ -77,6 +78,43 @@ class _Retracer(Interpreter):
         self.kept = kept
         self.regions: list[torch.autocast] = []
 
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op == "call_function" and n.target in REGION_STARTS:
+            with self._set_current_node(n):
+                return self.keep_region(n)
+        return super().run_node(n)
+
+    def keep_region(self, start: torch.fx.Node) -> None:
+        # A torch.vmap (jvp, grad) region: run whole under eager's autocast state here, which AOTAutograd
+        # then traces with that state on (functorch_regions.py). Its nodes are not traced here:
+        # each gets its value in the environment, so that run() skips it.
+        nodes = region_nodes(start)
+        body, inputs, outputs = region_module(self.module, nodes)
+        states, cache_enabled = current_autocast_state()
+        kept = KeptRegion(body, states, cache_enabled)
+        operands = [self.env[n] for n in inputs]
+        mode = _get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY)
+        with _below_tracer():
+            out = run_region(kept, *operands)
+        tracer = mode.tracer
+        name = tracer.get_fresh_qualname("_graphamp_region")
+        tracer.root.register_module(name, kept)
+        attr = tracer.create_proxy("get_attr", name, (), {})
+        attr.node.meta["val"] = kept
+        proxy = tracer.create_proxy(
+            "call_function", run_region, (attr, *(tracer.unwrap_proxy(o) for o in operands)), {},
+            name="functorch_region",
+        )
+        proxy.node.meta["graphamp"] = NodeInfo(
+            reason="torch.vmap/jvp/grad region, run whole under eager's autocast state there",
+        )
+        track_tensor_tree(out, proxy, constant=None, tracer=tracer)
+        for node in nodes[1:]:
+            self.env[node] = None
+        for node, value in zip(outputs, out):
+            self.env[node] = value
+        return None
+
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if target is _ENTER_AUTOCAST:
             # Pre-dispatch tracing records the marker but leaves the autocast state alone (it
@@ -97,8 +135,6 @@ class _Retracer(Interpreter):
             return self.keep_autograd_function(*args, **kwargs)
         if target is _CHECKPOINT:
             return self.checkpoint(*args)
-        if target in _FUNCTORCH_MARKERS:
-            return _record_functorch_marker(target, args, kwargs)
         composite = composite_for(target, self.policy)
         if composite is not None:
             return composite(*args, **kwargs)
@@ -144,58 +180,6 @@ class _Retracer(Interpreter):
             reason="custom autograd.Function, run whole with its own backward under eager's autocast state there",
         )
         return track_tensor_tree(out, proxy, constant=None, tracer=tracer)
-
-
-# The functorch transforms' entry and exit points (vmap's, jvp's) that dynamo's graph holds where
-# the model's code calls torch.vmap (transformers' associative_scan, mask functions, ...).
-_FUNCTORCH_MARKERS = frozenset({
-    torch._functorch.predispatch._add_batch_dim,
-    torch._functorch.predispatch._remove_batch_dim,
-    torch._functorch.predispatch._vmap_increment_nesting,
-    torch._functorch.predispatch._vmap_decrement_nesting,
-    torch._functorch.predispatch.lazy_load_decompositions,
-    torch._functorch.vmap.lazy_load_decompositions,
-    torch._functorch.predispatch._make_dual,
-    torch._functorch.predispatch._unpack_dual,
-    torch._functorch.predispatch._jvp_increment_nesting,
-    torch._functorch.predispatch._jvp_decrement_nesting,
-    torch._functorch.predispatch._unwrap_for_grad,
-    torch._functorch.predispatch._enter_dual_level,
-    torch._functorch.predispatch._exit_dual_level,
-})
-
-
-def _record_functorch_marker(target: Any, args: tuple, kwargs: dict) -> Any:
-    """Run a functorch transform marker and record it in the graph, as export's pre-dispatch trace does."""
-    # The markers record themselves only while torch.export runs (they ask
-    # torch.compiler.is_exporting()); run for real and unrecorded, the batched tensors they make
-    # reach the tracer as constants. make_fx's pre-dispatch torch-function mode records them.
-    from torch.fx.experimental.proxy_tensor import PreDispatchTorchFunctionMode
-
-    modes = [m for m in torch.overrides._get_current_function_mode_stack() if isinstance(m, PreDispatchTorchFunctionMode)]
-    return modes[-1].__torch_function__(target, (), args, kwargs)
-
-
-def _logical(value: Any) -> Any:
-    """The per-example tensor a vmapped value stands for: its batch dims dropped, level by level."""
-    while isinstance(value, torch.Tensor) and torch._C._functorch.is_batchedtensor(value):
-        bdim = torch._C._functorch.maybe_get_bdim(value)
-        inner = torch._C._functorch.get_unwrapped(value)
-        # A fresh tensor, not inner.select(bdim, 0): the batch may be empty (a scan's last step).
-        keep = [d for d in range(inner.dim()) if d != bdim]
-        value = inner.new_empty_strided([inner.shape[d] for d in keep], [inner.stride(d) for d in keep])
-    return value
-
-
-def _unbatch_values(gm: GraphModule) -> None:
-    """Give the nodes traced inside a vmap the values the function being vmapped sees."""
-    # Traced under vmap, a node's value is a BatchedTensor of a level that ended with the trace;
-    # the passes re-run ops on values (a cast they insert), which such a tensor refuses. The
-    # per-example value has the dtype and the shape the vmapped function's ops see.
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and torch._C._functorch.is_batchedtensor(val):
-            node.meta["val"] = _logical(val)
 
 
 def _module_of(meta: Mapping[str, Any]) -> str:
@@ -251,7 +235,6 @@ def _retrace(gm: GraphModule, example_inputs: Sequence[Any], policy: Policy, *, 
         amp_gm = make_fx(run, pre_dispatch=True)(*fakes)
     if kept:
         _warn_untraced_custom_fwd(kept, policy, ambient=ambient)
-    _unbatch_values(amp_gm)
     _copy_dynamo_metadata(gm, amp_gm)
     return amp_gm
 
