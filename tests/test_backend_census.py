@@ -95,3 +95,34 @@ class FuncTransforms(nn.Module):
 def test_vmap_region(cls, ambient):
     torch.manual_seed(0)
     assert_exact_compiled(cls(), (torch.randn(2, 5, 4),), ambient=ambient)
+
+
+# A routed sum whose buffer's dtype the Python chooses (hf/jetmoe's index_add before the backend
+# followed eager's dtype constants): outside torch.autocast dynamo traces the fp32 branch, and the
+# graph index_adds a bf16 source into an fp32 tensor. torch's fake index_add does not check dtypes,
+# so the graph compiled and raised an untyped RuntimeError at its first call.
+
+class RoutedSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, index):
+        h = self.lin(x)
+        out = torch.zeros(3, 4) if h.dtype == torch.float32 else h.new_zeros(3, 4)
+        return out.index_add(0, index, h)
+
+
+def test_index_add_of_other_dtype_is_a_typed_error():
+    import graphamp
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    args = (torch.randn(5, 4), torch.tensor([0, 2, 1, 0, 2]))
+    model = RoutedSum()
+    assert_exact_compiled(model, args, ambient=True)
+    torch._dynamo.reset()
+    with pytest.raises(BackendCompilerFailed) as info:
+        compiled(model)(*args)
+    error = info.value.inner_exception
+    assert isinstance(error, graphamp.PolicyDriftError), error
+    assert "index_add" in str(error) and "torch.autocast('cpu', dtype=torch.bfloat16)" in str(error)
