@@ -5,6 +5,7 @@ weight that autocast's cache casts once for two uses, and nn.LSTM on the kernel 
 Every check compares with eager autocast on the machine the test runs on.
 """
 
+import contextlib
 import warnings
 
 import pytest
@@ -373,3 +374,43 @@ def test_a_python_cache_filled_by_the_models_code_survives_compile_time_probes()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ref = model(x)
     assert out.dtype == ref.dtype and torch.equal(out, ref)
+
+
+# The backend's own check: where dynamo's graph holds the whole frame, it is compared with the
+# frame's eager autocast run on the call being compiled.
+
+class ProgramWhenCompiled(nn.Module):
+    """Code that computes something else when traced, as transformers' mask utilities do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        if torch.compiler.is_compiling():
+            h = h * 2
+        return h.softmax(-1)
+
+
+@pytest.mark.parametrize("ambient", [False, True], ids=["outside", "inside"])
+def test_a_graph_other_than_eagers_program_warns(ambient):
+    model, x = ProgramWhenCompiled(), torch.randn(2, 8)
+    region = torch.autocast("cpu", dtype=torch.bfloat16) if ambient else contextlib.nullcontext()
+    with region, pytest.warns(EagerPathWarning, match=r"ProgramWhenCompiled.forward: .*1 of the tensors it returns differ from eager torch.autocast"):
+        compiled(model, torch.bfloat16)(x)
+
+
+def test_the_check_can_be_turned_off():
+    model, x = ProgramWhenCompiled(), torch.randn(2, 8)
+    cm = torch.compile(model, backend="graphamp", options={"inner": "eager", "self_check": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerPathWarning)
+        cm(x)
+
+
+def test_a_graph_that_draws_random_numbers_is_not_compared():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerPathWarning)
+        compiled(model, torch.bfloat16)(torch.randn(2, 8))

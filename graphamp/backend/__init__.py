@@ -38,8 +38,9 @@ from graphamp.passes import build_pipeline, check_dtypes, run_passes
 from graphamp.policy import DEVICE_TYPES
 from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type, resolve_dtype
 from graphamp.backend.options import BackendOptions
-from graphamp.backend.eager_dtypes import follow_eager_dtypes
-from graphamp.backend.observe import Frame, compiled_frame, observe_eager_frame
+from graphamp.backend.eager_dtypes import _ends_at_graph_break, follow_eager_dtypes
+from graphamp.backend.eager_check import check_outputs
+from graphamp.backend.observe import Frame, compiled_frame, eager_run, observe_eager_frame
 from graphamp.backend.retrace import _retrace
 from graphamp.backend.fill_values import check_fill_values
 from graphamp.backend.options import INNER_COMPILERS
@@ -82,14 +83,23 @@ def graphamp_backend(
     spec = AmpSpec(device_type, resolve_dtype(opts.dtype, device_type), opts.mode, inference, opts.config or Config(), target="aot")
     ambient = torch.is_autocast_enabled(device_type)
     frame = compiled_frame()
-    if not ambient and spec.mode == "exact":
+    exact = spec.mode == "exact"
+    eager = (
+        eager_run(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
+        if frame is not None and exact and (opts.self_check or not ambient) else None
+    )
+    if not ambient and exact:
         # Outside torch.autocast dynamo traced the model's Python in fp32: give the graph the dtypes
         # eager autocast's Python passes, and say so where it cannot.
-        follow_eager_dtypes(gm, frame, device_type=device_type, dtype=spec.dtype)
+        follow_eager_dtypes(gm, frame, device_type=device_type, dtype=spec.dtype, low=eager)
     with autocast_off():
         amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=frame)
-        compiled = _hand_off(amp_gm, example_inputs, opts.inner, mode)
-    return _run_without_autocast(compiled)
+        compiled = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, mode))
+    if exact and opts.self_check and not _ends_at_graph_break(gm):
+        # inner="eager" claims bitwise: check what runs (AOTAutograd decomposes some ops in
+        # training). Inductor's code rounds otherwise by design: check graphamp's graph.
+        check_outputs(compiled if opts.inner == "eager" else amp_gm, example_inputs, frame, eager, graph=amp_gm)
+    return compiled
 
 
 def rewrite(

@@ -21,7 +21,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate
 
-from graphamp.backend.observe import DtypeCall, Frame, call_name, dtype_calls, dtype_constants, frame_name
+from graphamp.backend.observe import DtypeCall, EagerRun, Frame, call_name, dtype_calls, dtype_constants, frame_name
 from graphamp.errors import EagerPathWarning
 
 __all__ = ["follow_eager_dtypes", "graph_dtype_calls", "align"]
@@ -59,13 +59,16 @@ def _with_constants(node: Node, constants: tuple) -> None:
     node.args, node.kwargs = map_aggregate((node.args, node.kwargs), swap)
 
 
-def follow_eager_dtypes(gm: GraphModule, frame: Frame | None, *, device_type: str, dtype: torch.dtype) -> bool:
+def follow_eager_dtypes(
+    gm: GraphModule, frame: Frame | None, *, device_type: str, dtype: torch.dtype, low: EagerRun | None = None,
+) -> bool:
     """Rewrite the constants of ``gm`` (traced outside autocast) to those eager autocast's Python
-    passes; warn about those it cannot match. Returns whether the graph changed."""
+    passes; warn about those it cannot match. ``low`` is the frame's eager run under autocast if
+    it was made already. Returns whether the graph changed."""
     if frame is None:
         return False
     fp32 = dtype_calls(frame, device_type=device_type, dtype=None)
-    low = dtype_calls(frame, device_type=device_type, dtype=dtype)
+    low = low.calls if low is not None else dtype_calls(frame, device_type=device_type, dtype=dtype)
     if fp32 is None or low is None or fp32 == low:
         return False
     if [(c.name, len(c.constants)) for c in fp32] != [(c.name, len(c.constants)) for c in low]:

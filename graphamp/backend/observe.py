@@ -35,7 +35,7 @@ from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_he
 from graphamp.probe import SdpaCall, _state_restored, eager_sdpa_calls
 from graphamp.spec import ambient_autocast
 
-__all__ = ["DtypeCall", "Frame", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "frame_name", "observe_eager_frame"]
+__all__ = ["DtypeCall", "EagerRun", "Frame", "eager_run", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "frame_name", "observe_eager_frame"]
 
 
 class Frame(NamedTuple):
@@ -201,19 +201,35 @@ class _RecordDtypeCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def dtype_calls(frame: Frame, *, device_type: str, dtype: torch.dtype | None) -> list[DtypeCall] | None:
-    """The calls passing dtype constants that the frame's code makes when run eagerly, in order,
-    under autocast to ``dtype`` (None: without autocast); None if it cannot run."""
+class EagerRun(NamedTuple):
+    """What one eager run of the frame did: its calls passing dtype constants, and its result."""
+
+    calls: list[DtypeCall]
+    result: Any
+
+
+def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cache_enabled: bool = True) -> EagerRun | None:
+    """Run the frame's code eagerly once, without grad, under autocast to ``dtype`` (None: without
+    autocast), buffers, Python caches and random state restored after and the seed fixed; None
+    if it cannot run here."""
     call = _EagerCall(frame.fn, _modules_reached(frame))
     recorder = _RecordDtypeCalls()
-    region = ambient_autocast(device_type, dtype) if dtype is not None else contextlib.nullcontext()
+    region = ambient_autocast(device_type, dtype, cache_enabled=cache_enabled) if dtype is not None else contextlib.nullcontext()
     try:
         args, kwargs = _fresh_arguments(frame)
         with _state_restored(call), torch.no_grad(), region, recorder:
-            call(*args, **kwargs)
+            torch.manual_seed(0)
+            result = call(*args, **kwargs)
     except Exception:  # advisory, as the attention probe: code that cannot run here is not judged
         return None
-    return recorder.calls
+    return EagerRun(recorder.calls, result)
+
+
+def dtype_calls(frame: Frame, *, device_type: str, dtype: torch.dtype | None) -> list[DtypeCall] | None:
+    """The calls passing dtype constants that the frame's code makes when run eagerly, in order,
+    under autocast to ``dtype`` (None: without autocast); None if it cannot run."""
+    run = eager_run(frame, device_type=device_type, dtype=dtype)
+    return None if run is None else run.calls
 
 
 def frame_name(frame: Frame) -> str:

@@ -45,6 +45,10 @@ class BackendOptions:
     # it off or the enclosing torch.autocast region at compile time does (cache_enabled=False).
     # parse() folds the answer into ``config``, which is what the rewrite reads.
     cache_enabled: bool | None = None
+    # In exact mode, where dynamo's graph holds the whole frame: run the frame once under eager
+    # autocast and the rewritten graph once, on the call being compiled, and warn
+    # (EagerPathWarning) if a returned tensor differs (graphamp.backend.eager_check).
+    self_check: bool = True
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None) -> BackendOptions:
@@ -72,6 +76,8 @@ class BackendOptions:
             raise OptionError(f"option config must be a graphamp.Config, got {type(opts.config).__name__}")
         if opts.config is not None and opts.config.plan is not None and opts.mode != "autotune":
             raise OptionError("option config holds an autotune plan (Config.plan); pass it with option mode='autotune'")
+        if not isinstance(opts.self_check, bool):
+            raise OptionError(f"option self_check must be True or False, got {opts.self_check!r}")
         if opts.device_type is not None and opts.device_type not in DEVICE_TYPES:
             raise OptionError(f"option device_type={opts.device_type!r} is not supported; use one of {DEVICE_TYPES}")
         if opts.dtype is not None:
