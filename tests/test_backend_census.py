@@ -97,6 +97,19 @@ def test_vmap_region(cls, ambient):
     assert_exact_compiled(cls(), (torch.randn(2, 5, 4),), ambient=ambient)
 
 
+@pytest.mark.parametrize("cls", [VmappedLayers, AssociativeScan, FuncTransforms])
+def test_vmap_region_no_grad(cls):
+    # Under no_grad dynamo traces again (grad mode is guarded); torch.func.grad's region then
+    # switches grad on inside, as eager's does.
+    torch.manual_seed(0)
+    model, x = cls(), torch.randn(2, 5, 4)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = model(x)
+        out = compiled(model)(x)
+    assert_same_outputs(out, ref)
+
+
 # A routed sum whose buffer's dtype the Python chooses (hf/jetmoe's index_add before the backend
 # followed eager's dtype constants): outside torch.autocast dynamo traces the fp32 branch, and the
 # graph index_adds a bf16 source into an fp32 tensor. torch's fake index_add does not check dtypes,
