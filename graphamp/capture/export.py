@@ -18,6 +18,7 @@ from torch.export import Dim, ShapesCollection
 from torch.utils import _pytree as pytree
 
 from graphamp.capture.functions import _FunctionKeeper
+from graphamp.capture.kernels import eager_kernel_metas
 from graphamp.runtime import size_condition_holds
 from graphamp.spec import ambient_autocast
 
@@ -196,6 +197,7 @@ def _export(
         _dim_marks_restored((args, kwargs)),
         _containers_kept(model),
         _failure_logs_dropped(),
+        eager_kernel_metas(),
         keeper,
     ):
         # nn.RNN* re-assign _flat_weights during tracing; export warns about it, harmlessly.
