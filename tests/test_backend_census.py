@@ -139,3 +139,28 @@ def test_index_add_of_other_dtype_is_a_typed_error():
     error = info.value.inner_exception
     assert isinstance(error, graphamp.PolicyDriftError), error
     assert "index_add" in str(error) and "torch.autocast('cpu', dtype=torch.bfloat16)" in str(error)
+
+
+# A dtype call only eager makes (the branch dynamo does not take: hf/jamba's and hf/falcon_mamba's
+# recurrent scan, where the compiled code takes associative_scan) must not lend its autocast
+# constants to a graph call alike in name and constants (a literal .to(torch.float32)). The
+# backend aligns the graph's dtype calls with eager's by name and constants only, so the literal
+# cast became .to(torch.bfloat16). Keying each call by its call site (file:line) fixes it: the
+# patch for graphamp/backend/observe.py and eager_dtypes.py is in the issue 17 report.
+
+class EagerOnlyDtypeCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if not torch.compiler.is_compiling():
+            h = h.to(h.dtype)
+        return h.to(torch.float32).pow(2)
+
+
+@pytest.mark.xfail(strict=True, reason="dtype calls aligned by name and constants only (issue 17 report: key them by call site)")
+def test_eager_only_dtype_call_lends_no_constants():
+    torch.manual_seed(0)
+    assert_exact_compiled(EagerOnlyDtypeCall(), (torch.randn(2, 4),), ambient=False)
