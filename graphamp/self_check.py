@@ -131,6 +131,8 @@ def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: d
             what="outputs and gradients" if grads else "outputs",
             refused=str(amp.cast_summary().get("reason", "")).strip().splitlines()[0][:200],
         )
+    elif other_path and (dropped := _dropped_mask(amp, model, args, kwargs, spec)):
+        way_out = dropped
     elif other_path:
         way_out = (
             "Some ops ran on one side only: the model's code takes another path when traced than in eager "
@@ -183,6 +185,62 @@ def _torch_compile_agrees(
     except Exception:  # torch.compile alone cannot run it: no comparison, the generic message stands
         return False
     return not _difference(got, theirs, keep_io_types=False)
+
+
+def _dropped_mask(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> str:
+    """Where eager called SDPA without the mask the graph passes (the model's code dropped it by its
+    value, as transformers' masking utilities drop an all-ones mask), that call and the way out, in
+    words; empty otherwise."""
+    if not isinstance(amp, torch.fx.GraphModule):
+        return ""
+    nodes = list(amp.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default))
+    eager = _eager_sdpa_masks(model, args, kwargs, spec)
+    if eager is None or len(eager) != len(nodes):
+        return ""
+    for node, (masked, causal) in zip(nodes, eager):
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if masked or mask is None:
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        path = list(stack.values())[-1][0] if stack else ""
+        where = f"module {path}" if path else "the model's own forward"
+        semantics = (
+            "and without is_causal, so eager attends to every position there while the mask says otherwise"
+            if not causal else "and with is_causal=True"
+        )
+        return (
+            f"Eager called scaled_dot_product_attention in {where} with no mask, {semantics}; the converted "
+            "graph applies the mask it was given. The model's code dropped the mask by its value "
+            "(transformers' masking utilities drop an all-ones mask in eager, and build it under any "
+            "trace), so no graph follows eager for every mask. Way out: eager torch.autocast for this "
+            "model; or call it with attention_mask=None where no position is masked (eager and the "
+            "graph then agree); convert(..., self_check='warn') returns the module anyway."
+        )
+    return ""
+
+
+def _eager_sdpa_masks(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> list[tuple[bool, bool]] | None:
+    """(mask given, is_causal) of each SDPA call eager autocast makes on the example; None if it fails."""
+    from torch.overrides import TorchFunctionMode
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls: list[tuple[bool, bool]] = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, a: tuple = (), k: dict | None = None) -> Any:
+            k = k or {}
+            if func is sdpa:
+                mask = a[3] if len(a) > 3 else k.get("attn_mask")
+                causal = a[5] if len(a) > 5 else k.get("is_causal", False)
+                calls.append((mask is not None, bool(causal)))
+            return func(*a, **k)
+
+    try:
+        with _same_start(model), torch.no_grad(), Record():
+            _autocast_call(model, args, kwargs, spec)
+    except Exception:  # naming the call is a courtesy; the difference is already established
+        return None
+    return calls
 
 
 class _Side:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import graphamp
-from helpers import _run, run_eager
+from helpers import _run, assert_exact, run_eager
 
 
 class SharedAcrossBreak(nn.Module):
@@ -72,3 +72,41 @@ def test_the_fallback_computes_what_torch_compile_computes():
     got = _run(lambda: amp(x), model, grads=True)[1]
     want = _compiled_grads(model, x, autocast=True)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _traced(t):
+    """transformers' ``is_tracing``: a fake or functional tensor (any trace), not a real one."""
+    return isinstance(t, torch._subclasses.FakeTensor) or torch._is_functional_tensor(t)
+
+
+class DropsAnAllOnesMask(nn.Module):
+    """AIMv2's text attention (issue 17): transformers drops an all-ones causal mask in eager and
+    leaves causality to SDPA's is_causal, which this attention passes as False; a trace keeps it."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x, attention_mask):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        if attention_mask is None or (not _traced(attention_mask) and bool(attention_mask.all())):
+            mask = None
+        else:
+            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            mask = causal[None, None] & attention_mask[:, None, None, :].bool()
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+        return self.out(y.transpose(1, 2).reshape(b, n, 16))
+
+
+def test_an_attention_mask_eager_dropped_by_value_is_named_with_the_way_out():
+    torch.manual_seed(0)
+    model, x = DropsAnAllOnesMask(), torch.randn(2, 6, 16)
+    with pytest.raises(graphamp.PolicyDriftError) as info:
+        graphamp.convert(model, (x, torch.ones(2, 6, dtype=torch.long)))
+    message = str(info.value)
+    assert "Eager called scaled_dot_product_attention in the model's own forward with no mask, and without is_causal" in message
+    assert "attention_mask=None" in message
+    # The way out holds: without a mask eager and the converted graph agree.
+    amp = graphamp.convert(model, (x, None))
+    assert_exact(model, amp, (x, None), {}, torch.bfloat16)
