@@ -414,3 +414,26 @@ def test_a_graph_that_draws_random_numbers_is_not_compared():
     with warnings.catch_warnings():
         warnings.simplefilter("error", EagerPathWarning)
         compiled(model, torch.bfloat16)(torch.randn(2, 8))
+
+
+class BreaksTheGraph(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h @ h.T)  # between the graphs: a matmul autocast would run in bf16
+
+
+def test_code_between_graphs_outside_autocast_warns():
+    model, x = BreaksTheGraph(), torch.randn(8, 8)
+    with pytest.warns(EagerPathWarning, match=r"between them runs eagerly without autocast.*torch.autocast\('cpu', dtype=torch.bfloat16\)"):
+        compiled(model, torch.bfloat16)(x)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("error", EagerPathWarning)
+        out = compiled(model, torch.bfloat16)(x)
+        ref = model(x)
+    assert torch.equal(out, ref)

@@ -26,6 +26,7 @@ works after ``pip install`` without importing graphamp.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 from torch.fx import GraphModule
 
 from graphamp.config import Config
-from graphamp.errors import OptionError, PolicyDriftError
+from graphamp.errors import EagerPathWarning, OptionError, PolicyDriftError
 from graphamp.passes import build_pipeline, check_dtypes, run_passes
 from graphamp.policy import DEVICE_TYPES
 from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type, resolve_dtype
@@ -92,6 +93,8 @@ def graphamp_backend(
         # Outside torch.autocast dynamo traced the model's Python in fp32: give the graph the dtypes
         # eager autocast's Python passes, and say so where it cannot.
         follow_eager_dtypes(gm, frame, device_type=device_type, dtype=spec.dtype, low=eager)
+        if _ends_at_graph_break(gm):
+            _warn_code_between_graphs(device_type, spec.dtype)
     with autocast_off():
         amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=frame)
         compiled = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, mode))
@@ -137,6 +140,18 @@ def rewrite(
                 "stay the only ones applied."
             ) from e
     return amp_gm
+
+
+def _warn_code_between_graphs(device_type: str, dtype: torch.dtype) -> None:
+    warnings.warn(
+        "dynamo broke the model into several graphs, and called outside torch.autocast the code it runs "
+        "between them runs eagerly without autocast, in fp32, where eager autocast would run its ops in "
+        "mixed precision: values may differ from eager autocast's, or ops may meet tensors of two dtypes. "
+        f"Way out: call the compiled model inside torch.autocast({device_type!r}, dtype={dtype}); "
+        "graphamp's casts stay the only ones applied inside the graphs.",
+        EagerPathWarning,
+        stacklevel=3,
+    )
 
 
 def _device_type_of(gm: GraphModule, example_inputs: Sequence[Any]) -> str:
