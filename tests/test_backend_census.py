@@ -110,6 +110,18 @@ def test_vmap_region_no_grad(cls):
     assert_same_outputs(out, ref)
 
 
+@pytest.mark.parametrize("cls", [VmappedLayers, FuncTransforms])
+def test_vmap_region_dynamic_shapes(cls):
+    # The region's body keeps dynamo's symbolic sizes: one graph serves other batch and lengths.
+    torch.manual_seed(0)
+    model = cls()
+    cm = torch.compile(model, backend="graphamp", options=EAGER, dynamic=True)
+    for shape in [(2, 5, 4), (3, 7, 4)]:
+        x = torch.randn(shape)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert_same_outputs(cm(x), model(x))
+
+
 # A routed sum whose buffer's dtype the Python chooses (hf/jetmoe's index_add before the backend
 # followed eager's dtype constants): outside torch.autocast dynamo traces the fp32 branch, and the
 # graph index_adds a bf16 source into an fp32 tensor. torch's fake index_add does not check dtypes,
