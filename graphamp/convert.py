@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from typing import Any
@@ -14,14 +15,16 @@ from graphamp import hardware
 from graphamp.capture import capture
 from graphamp.capture.dynamo import dynamo_fallback, needs_graph_breaks
 from graphamp.config import Config
-from graphamp.emit import AmpModule, emit
-from graphamp.errors import CaptureError
+from graphamp.emit import ALL_ONES_AS_NONE, AmpModule, emit, is_all_ones
+from graphamp.errors import CaptureError, PolicyDriftError
 from graphamp.passes import build_pipeline, run_passes
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.passes.autotune import PLAN_META, checks_accuracy
 from graphamp.probe import _state_restored, eager_sdpa_calls
 from graphamp.self_check import SELF_CHECK_META, applies, check_self_check, checker_for
 from graphamp.spec import AmpSpec, ambient_autocast, autocast_off
+
+_log = logging.getLogger("graphamp")
 
 __all__ = ["convert"]
 
@@ -113,11 +116,45 @@ def convert(
             raise
         amp = dynamo_fallback(model, args, kwargs, spec, e)
     if on_drift != "off" and applies(spec, model, args, kwargs):
-        amp.meta[SELF_CHECK_META] = checker_for(amp)(amp, model, args, kwargs, spec, on_drift=on_drift)
+        try:
+            amp.meta[SELF_CHECK_META] = checker_for(amp)(amp, model, args, kwargs, spec, on_drift=on_drift)
+        except PolicyDriftError as drift:
+            amp = _all_ones_masks_dropped(model, args, kwargs, spec, drift)
     if compile:
         from graphamp.compiled import compile_converted
 
         return compile_converted(amp, model, args, kwargs)
+    return amp
+
+
+def _all_ones_masks_dropped(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, drift: PolicyDriftError) -> AmpModule:
+    """The model converted with its all-ones keyword masks passed as None, if that is exact; else
+    ``drift`` is raised again.
+
+    Model code may drop a mask that masks nothing by its values (transformers' mask utilities:
+    ``padding_mask.all()``), which no trace can read: traced, it builds the mask and runs another
+    program (an fp32 zero bias makes softmax run in fp32), whose gradients round differently. Such
+    code runs the same program for an all-ones mask as for no mask, so the graph converted without
+    the mask is eager's; the module passes None for an all-ones mask on every call (a call with
+    padding keeps its mask, and converts its own graph on first use, checked in turn). That holds
+    only where the self-check proves it on the example: the module, called with the all-ones mask,
+    equals eager autocast called with it, outputs and gradients.
+    """
+    names = tuple(k for k, v in kwargs.items() if is_all_ones(v))
+    if not names or spec.mode != "exact":
+        raise drift
+    try:
+        amp = _convert(model, args, {**kwargs, **dict.fromkeys(names)}, spec)
+    except Exception:  # the model needs the mask: the first conversion's difference stands
+        raise drift from None
+    if not isinstance(amp, AmpModule):
+        raise drift
+    amp.__dict__[ALL_ONES_AS_NONE] = names
+    try:
+        amp.meta[SELF_CHECK_META] = checker_for(amp)(amp, model, args, kwargs, spec, on_drift="raise")
+    except PolicyDriftError:
+        raise drift from None
+    _log.info("graphamp: %s drops an all-ones %s by value; converted without it", type(model).__name__, ", ".join(names))
     return amp
 
 

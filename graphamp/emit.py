@@ -44,6 +44,9 @@ _GRAPH = "_graphamp_graph"  # the class attribute holding the generated code (re
 _BUILDING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_emit_building", default=False)
 _VARIANTS = "_graphamp_variants"  # the modules converted for other shape classes, in order
 _MODES = "_graphamp_modes"  # the modules converted for another training mode, or for calls without grad
+# Keyword inputs passed as None when all ones: convert found eager's program for an all-ones mask is
+# the one it runs without the mask (the model drops it by value), and checked it (convert.py).
+ALL_ONES_AS_NONE = "_graphamp_all_ones_as_none"
 _MODEL_STATE = "_graphamp_model_state"  # (type, first parameter): what the model held at conversion
 # How many other shape classes one converted module converts for before it refuses: each holds a
 # graph and costs a conversion (seconds), so inputs of ever new shapes should be padded instead.
@@ -91,6 +94,24 @@ def input_signature(args: tuple, kwargs: dict) -> tuple[Any, tuple]:
     and values may vary); keyword order does not matter."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
     return spec, tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+
+
+def is_all_ones(value: Any) -> bool:
+    """Whether ``value`` is a non-empty integer or bool tensor of ones: a mask that masks nothing.
+
+    >>> assert is_all_ones(torch.ones(2, 3, dtype=torch.long)) and not is_all_ones(torch.ones(2))
+    """
+    return (
+        isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
+        and value.numel() > 0 and bool((value == 1).all())
+    )
+
+
+def all_ones_as_none(kwargs: dict, names: tuple[str, ...] | None) -> dict:
+    """``kwargs`` with each of ``names`` that holds an all-ones tensor passed as None."""
+    if not names:
+        return kwargs
+    return {k: None if k in names and is_all_ones(v) else v for k, v in kwargs.items()}
 
 
 def _plain_arity(args: tuple, kwargs: dict) -> int | None:
@@ -179,6 +200,7 @@ class AmpModule(GraphModule):
         if torch.compiler.is_compiling():
             return self._call_graph(args, kwargs)
         self._check_parameters()
+        kwargs = all_ones_as_none(kwargs, self.__dict__.get(ALL_ONES_AS_NONE))
         return self._for_mode(args, kwargs)._call_classes(args, kwargs)
 
     def _call_classes(self, args: tuple, kwargs: dict) -> Any:

@@ -169,3 +169,57 @@ def test_roformer_without_padding_is_not_silent() -> None:
     model = _roformer(masked_lm=False)
     args, kwargs = _roformer_inputs(padded=False)
     _assert_exact_or_refused(model, args, kwargs, torch.bfloat16)
+
+
+class DropsAllOnesMask(MaskedEncoder):
+    """transformers' newer mask utilities: a keyword mask that masks nothing is dropped by its
+    values in eager (``padding_mask.all()``), as if none was passed; a trace always builds it."""
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_mask is not None and not _traced(attention_mask) and bool(attention_mask.all()):
+            attention_mask = None
+        self.skip_bias_without_padding = False
+        if attention_mask is None:
+            return self._no_mask(ids)
+        return super().forward(ids, attention_mask)
+
+    def _no_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        h = self.norm(self.word(ids) + self.position(torch.arange(s)) + self.token_type(torch.zeros_like(ids)))
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        context = ((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+        return F.linear(h + self.proj(context), self.word.weight)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_an_all_ones_mask_the_model_drops_is_converted_without_it(dtype: torch.dtype) -> None:
+    import copy
+
+    from graphamp.emit import ALL_ONES_AS_NONE
+
+    model = DropsAllOnesMask().train()
+    (ids, mask), _ = _inputs(padded=False)
+    amp = graphamp.convert(model, (ids,), {"attention_mask": mask}, dtype=dtype)
+    assert amp.__dict__[ALL_ONES_AS_NONE] == ("attention_mask",)
+    assert _grad_differences(amp, model, (ids,), {"attention_mask": mask}, dtype) == []
+    (ids, padded), _ = _inputs(padded=True)  # keeps its mask: a graph of its own, checked on first use
+    assert _grad_differences(amp, model, (ids,), {"attention_mask": padded}, dtype) == []
+    again = copy.deepcopy(amp)  # as torch.save and torch.load: a copy of the model comes along
+    assert again.__dict__[ALL_ONES_AS_NONE] == ("attention_mask",)
+    with torch.autocast("cpu", dtype=dtype):
+        expected = model(ids, attention_mask=mask)
+    assert torch.equal(again(ids, attention_mask=mask), expected)
+
+
+def test_without_the_fallback_the_all_ones_mask_really_differs() -> None:
+    # Guards the construct above: converted with the mask, the graph's program is not eager's.
+    model = DropsAllOnesMask().train()
+    (ids, mask), _ = _inputs(padded=False)
+    with pytest.raises(PolicyDriftError, match="softmax"):
+        from graphamp.convert import _convert
+        from graphamp.self_check import checker_for
+        from graphamp.spec import AmpSpec
+
+        spec = AmpSpec.resolve(model, ((ids,), {"attention_mask": mask}), dtype=torch.bfloat16)
+        amp = _convert(model, (ids,), {"attention_mask": mask}, spec)
+        checker_for(amp)(amp, model, (ids,), {"attention_mask": mask}, spec, on_drift="raise")
