@@ -127,9 +127,10 @@ def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: d
             "no_grad path; call this module with grad enabled otherwise."
         )
     elif _torch_compile_agrees(amp, got, model, args, kwargs, spec, grads=grads):
+        where = ""  # no node to locate: the sentence that says whose difference it is comes first
         way_out = _TORCH_COMPILE_OWN.format(
             what="outputs and gradients" if grads else "outputs",
-            refused=str(amp.cast_summary().get("reason", "")).strip().splitlines()[0][:200],
+            refused=_first_sentence(str(amp.cast_summary().get("reason", ""))),
         )
     elif other_path and (dropped := _dropped_mask(amp, model, args, kwargs, spec)):
         way_out = dropped
@@ -160,13 +161,20 @@ def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: d
 
 _TORCH_COMPILE_OWN = (
     "torch.compile without graphamp (backend=\"aot_eager\", under the same torch.autocast) gives bit for bit the "
-    "same {what} as this module: the difference is torch.compile's own, not graphamp's casts. (AOTAutograd "
-    "differentiates each graph between graph breaks whole: where a tensor's gradient gathers contributions "
-    "from more than one graph, or from a graph and an output that returns the tensor itself, it sums them in "
-    "another order than eager's autograd engine, in fp32 as under autocast.) Way out: let torch.export capture "
-    "the model whole, so that convert needs no graph breaks (it refused: {refused}); or eager torch.autocast; "
-    "convert(..., self_check='warn') returns the module anyway, computing what torch.compile computes."
+    "same {what} as this module: the difference is torch.compile's own, not graphamp's casts. (The usual "
+    "cause: AOTAutograd differentiates each graph between graph breaks whole, so where a tensor's gradient "
+    "gathers contributions from more than one graph, or from a graph and an output that returns the tensor "
+    "itself, it sums them in another order than eager's autograd engine, in fp32 as under autocast.) Way out: "
+    "let torch.export capture the model whole, so that convert needs no graph breaks (it refused: {refused}); "
+    "or eager torch.autocast; convert(..., self_check='warn') returns the module anyway, computing what "
+    "torch.compile computes."
 )
+
+
+def _first_sentence(reason: str) -> str:
+    """What torch.export refused, without the way out its own message goes on with."""
+    lines = reason.strip().splitlines()
+    return (lines[0] if lines else "").split(". Way out:")[0][:200]
 
 
 def _torch_compile_agrees(
