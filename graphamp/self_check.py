@@ -221,8 +221,7 @@ def _dropped_mask(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, s
             "graph applies the mask it was given. The model's code dropped the mask by its value "
             "(transformers' masking utilities drop an all-ones mask in eager, and build it under any "
             "trace), so no graph follows eager for every mask. Way out: eager torch.autocast for this "
-            "model; or call it with attention_mask=None where no position is masked (eager and the "
-            "graph then agree); convert(..., self_check='warn') returns the module anyway."
+            "model; convert(..., self_check='warn') returns the module anyway, applying the mask as given."
         )
     return ""
 

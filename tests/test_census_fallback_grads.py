@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import graphamp
-from helpers import _run, assert_exact, run_eager
+from helpers import _run, run_eager
 
 
 class SharedAcrossBreak(nn.Module):
@@ -106,7 +106,4 @@ def test_an_attention_mask_eager_dropped_by_value_is_named_with_the_way_out():
         graphamp.convert(model, (x, torch.ones(2, 6, dtype=torch.long)))
     message = str(info.value)
     assert "Eager called scaled_dot_product_attention in the model's own forward with no mask, and without is_causal" in message
-    assert "attention_mask=None" in message
-    # The way out holds: without a mask eager and the converted graph agree.
-    amp = graphamp.convert(model, (x, None))
-    assert_exact(model, amp, (x, None), {}, torch.bfloat16)
+    assert "dropped the mask by its value" in message and "self_check='warn'" in message
