@@ -4,9 +4,8 @@ typed graphamp error where the backend cannot be exact."""
 
 import pytest
 import torch
-from torch import nn
-
 from helpers import _loss, assert_same_grads, assert_same_outputs, run_eager
+from torch import nn
 
 EAGER = {"inner": "eager"}
 
@@ -139,8 +138,9 @@ class RoutedSum(nn.Module):
 
 
 def test_index_add_of_other_dtype_is_a_typed_error():
-    import graphamp
     from torch._dynamo.exc import BackendCompilerFailed
+
+    import graphamp
 
     args = (torch.randn(5, 4), torch.tensor([0, 2, 1, 0, 2]))
     model = RoutedSum()

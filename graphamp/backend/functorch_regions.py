@@ -23,7 +23,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from graphamp.runtime import AutocastState, autocast_state
 
-__all__ = ["REGION_STARTS", "KeptRegion", "region_nodes", "region_module", "run_region"]
+__all__ = ["REGION_STARTS", "KeptRegion", "region_module", "region_nodes", "run_region"]
 
 _PAIRS = {
     torch._functorch.predispatch._vmap_increment_nesting: torch._functorch.predispatch._vmap_decrement_nesting,

@@ -17,14 +17,23 @@ from torch._ops import _get_dispatch_mode_pre_dispatch
 from torch.fx import GraphModule, Interpreter
 from torch.fx.experimental.proxy_tensor import make_fx, track_tensor_tree
 
-from graphamp.capture.functions import _below_tracer
-from graphamp.spec import ambient_autocast
 from graphamp.backend.fast_paths import composite_for
-from graphamp.backend.functorch_regions import REGION_STARTS, KeptRegion, region_module, region_nodes, run_region
+from graphamp.backend.functorch_regions import (
+    REGION_STARTS,
+    KeptRegion,
+    region_module,
+    region_nodes,
+    run_region,
+)
+from graphamp.capture.functions import _below_tracer
 from graphamp.node_info import NodeInfo
 from graphamp.policy import Policy
-from graphamp.runtime import KeptGraphFunction, apply_graph_function, current_autocast_state
-
+from graphamp.runtime import (
+    KeptGraphFunction,
+    apply_graph_function,
+    current_autocast_state,
+)
+from graphamp.spec import ambient_autocast
 
 _AUTOGRAD_FUNCTION_APPLY = torch.ops.higher_order.autograd_function_apply
 
@@ -113,7 +122,6 @@ class _Retracer(Interpreter):
             self.env[node] = None
         for node, value in zip(outputs, out):
             self.env[node] = value
-        return None
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if target is _ENTER_AUTOCAST:
