@@ -159,6 +159,11 @@ def _first_line(e: BaseException) -> str:
 def _error(e: BaseException) -> dict[str, Any]:
     import graphamp
 
+    # torch.compile wraps what a backend raises (BackendCompilerFailed): judge and name the error
+    # graphamp raised, not the wrapper, whose first line is only "backend='graphamp' raised:".
+    inner = getattr(e, "inner_exception", None)
+    if isinstance(inner, BaseException):
+        e = inner
     where = traceback.extract_tb(e.__traceback__)
     frame = where[-1] if where else None
     return {

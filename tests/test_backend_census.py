@@ -172,7 +172,6 @@ class EagerOnlyDtypeCall(nn.Module):
         return h.to(torch.float32).pow(2)
 
 
-@pytest.mark.xfail(strict=True, reason="dtype calls aligned by name and constants only (issue 17 report: key them by call site)")
 def test_eager_only_dtype_call_lends_no_constants():
     torch.manual_seed(0)
     assert_exact_compiled(EagerOnlyDtypeCall(), (torch.randn(2, 4),), ambient=False)

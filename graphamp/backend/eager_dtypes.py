@@ -21,7 +21,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate
 
-from graphamp.backend.observe import DtypeCall, EagerRun, Frame, call_name, dtype_calls, dtype_constants, frame_name
+from graphamp.backend.observe import DtypeCall, EagerRun, Frame, call_name, node_call_site, dtype_calls, dtype_constants, frame_name
 from graphamp.errors import EagerPathWarning
 
 __all__ = ["follow_eager_dtypes", "graph_dtype_calls", "align"]
@@ -34,7 +34,7 @@ def graph_dtype_calls(gm: GraphModule) -> list[tuple[Node, DtypeCall]]:
         if node.op in ("call_function", "call_method"):
             constants = dtype_constants(node.args, node.kwargs)
             if constants:
-                calls.append((node, DtypeCall(call_name(node.target), constants)))
+                calls.append((node, DtypeCall(call_name(node.target), constants, node_call_site(node))))
     return calls
 
 

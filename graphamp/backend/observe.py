@@ -19,6 +19,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import os
+import re
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -158,6 +161,32 @@ class DtypeCall(NamedTuple):
 
     name: str
     constants: tuple[Any, ...]
+    # Where the model's code makes the call (file:line). Calls alike in name and constants (a
+    # literal x.to(torch.float32) and an x.to(input_dtype) that fp32 reads as float32) align
+    # only at the same line, so a call eager makes alone (a branch dynamo does not take) cannot
+    # lend its constants to another.
+    site: str = ""
+
+
+# Frames in these directories are not the model's call site: torch's, and the backend's own
+# (the recorder, the eager call). graphamp's other modules may hold models (graphamp.testing).
+_LIBRARIES = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+_STACK_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def eager_call_site() -> str:
+    """``file:line`` of the innermost frame outside torch and graphamp's backend: the model code's call."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+
+
+def node_call_site(node: Any) -> str:
+    """``file:line`` of the model code's call a graph node was traced from: the innermost frame of
+    its stack trace outside torch and graphamp's backend, as :func:`eager_call_site` finds it."""
+    frames = [f for f in _STACK_FRAME.findall(node.meta.get("stack_trace") or "") if not f[0].startswith(_LIBRARIES)]
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
 
 
 def dtype_constants(args: Any, kwargs: Any) -> tuple[Any, ...]:
@@ -197,7 +226,7 @@ class _RecordDtypeCalls(TorchFunctionMode):
         kwargs = kwargs or {}
         constants = dtype_constants(args, kwargs)
         if constants:
-            self.calls.append(DtypeCall(call_name(func), constants))
+            self.calls.append(DtypeCall(call_name(func), constants, eager_call_site()))
         return func(*args, **kwargs)
 
 
