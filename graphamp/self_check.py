@@ -126,11 +126,10 @@ def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: d
             "Way out: for inference under torch.no_grad, convert(..., inference=True), which follows eager's "
             "no_grad path; call this module with grad enabled otherwise."
         )
-    elif _torch_compile_agrees(amp, got, model, args, kwargs, spec, grads=grads):
+    elif verdict := _torch_compile_verdict(amp, got, ref, model, args, kwargs, spec, grads=grads):
         where = ""  # no node to locate: the sentence that says whose difference it is comes first
         way_out = _TORCH_COMPILE_OWN.format(
-            what="outputs and gradients" if grads else "outputs",
-            refused=_first_sentence(str(amp.cast_summary().get("reason", ""))),
+            verdict=verdict, refused=_first_sentence(str(amp.cast_summary().get("reason", ""))),
         )
     elif other_path and (dropped := _dropped_mask(amp, model, args, kwargs, spec)):
         way_out = dropped
@@ -160,15 +159,14 @@ def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: d
 
 
 _TORCH_COMPILE_OWN = (
-    "torch.compile without graphamp (backend=\"aot_eager\", under the same torch.autocast) gives bit for bit the "
-    "same {what} as this module: the difference is torch.compile's own, not graphamp's casts. (The usual "
-    "cause: AOTAutograd differentiates each graph between graph breaks whole, so where a tensor's gradient "
-    "gathers contributions from more than one graph, or from a graph and an output that returns the tensor "
-    "itself, it sums them in another order than eager's autograd engine, in fp32 as under autocast.) Way out: "
-    "let torch.export capture the model whole, so that convert needs no graph breaks (it refused: {refused}); "
-    "or eager torch.autocast; convert(..., self_check='warn') returns the module anyway, computing what "
-    "torch.compile computes."
+    "{verdict} (The usual cause: AOTAutograd differentiates each graph between graph breaks whole, so "
+    "where a tensor's gradient gathers contributions from more than one graph, or from a graph and an "
+    "output that returns the tensor itself, it sums them in another order than eager's autograd engine, "
+    "in fp32 as under autocast.) Way out: let torch.export capture the model whole, so that convert needs "
+    "no graph breaks (it refused: {refused}); or eager torch.autocast; convert(..., self_check='warn') "
+    "returns the module anyway."
 )
+_PLAIN_COMPILE = "torch.compile without graphamp (backend=\"aot_eager\", under the same torch.autocast)"
 
 
 def _first_sentence(reason: str) -> str:
@@ -177,22 +175,44 @@ def _first_sentence(reason: str) -> str:
     return (lines[0] if lines else "").split(". Way out:")[0][:200]
 
 
-def _torch_compile_agrees(
-    amp: nn.Module, got: _Side, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, grads: bool
-) -> bool:
-    """Whether convert's dynamo fallback differs from eager exactly as plain torch.compile does."""
+def _torch_compile_verdict(
+    amp: nn.Module, got: _Side, ref: _Side, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, grads: bool
+) -> str:
+    """Whether plain torch.compile differs from eager as convert's dynamo fallback does, in words:
+    bit for bit the same, or in every gradient the fallback differs in (and more); empty otherwise."""
     from graphamp.capture.dynamo import DynamoAmpModule
 
     if not isinstance(amp, DynamoAmpModule):
-        return False
+        return ""
     compiled = torch.compile(model, backend="aot_eager")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             theirs = _run(lambda: _autocast_call(compiled, args, kwargs, spec), model, grads=grads, no_grad=spec.inference)
     except Exception:  # torch.compile alone cannot run it: no comparison, the generic message stands
-        return False
-    return not _difference(got, theirs, keep_io_types=False)
+        return ""
+    if not _difference(got, theirs, keep_io_types=False):
+        what = "outputs and gradients" if grads else "outputs"
+        return (
+            f"{_PLAIN_COMPILE} gives bit for bit the same {what} as this module: the difference is "
+            "torch.compile's own, not graphamp's casts."
+        )
+    ours, plain = _differing_grads(got, ref), _differing_grads(theirs, ref)
+    if _difference(got, _Side(ref.outputs, {}), keep_io_types=False) or not ours or not ours <= plain:
+        return ""
+    return (
+        f"{_PLAIN_COMPILE} differs from eager autocast in every gradient this module differs in ({len(ours)} "
+        f"parameter(s){f', and in {len(plain - ours)} more where this module follows eager' if plain - ours else ''}): "
+        "the difference is most likely torch.compile's own, not graphamp's casts."
+    )
+
+
+def _differing_grads(side: _Side, ref: _Side) -> set[str]:
+    """The parameters whose gradient on ``side`` is not bitwise eager's."""
+    return {
+        name for name, want in ref.grads.items()
+        if (side.grads.get(name) is None) != (want is None) or (want is not None and not _equal(side.grads[name], want))
+    }
 
 
 def _dropped_mask(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> str:

@@ -107,3 +107,27 @@ def test_an_attention_mask_eager_dropped_by_value_is_named_with_the_way_out():
     message = str(info.value)
     assert "Eager called scaled_dot_product_attention in the model's own forward with no mask, and without is_causal" in message
     assert "dropped the mask by its value" in message and "self_check='warn'" in message
+
+
+class TwiceAfterBreak(SharedAcrossBreak):
+    """Conditional DETR's case: after the break a weight is used twice, where eager's autocast shares
+    one cast (graphamp too) and torch.compile alone casts per use, so it differs from eager in more
+    gradients than the fallback, and the graph-break gradients the same way."""
+
+    def forward(self, x):
+        h = self.norm(x)
+        if not torch.isfinite(h).all():
+            h = h.clamp(-1e4, 1e4)
+        y = self.a(h)
+        return h, self.b(y) + torch.nn.functional.linear(y * 2, self.b.weight) + self.a(h * 3)
+
+
+def test_a_fallback_difference_within_torch_compiles_own_is_named_as_most_likely_torch_compiles():
+    torch.manual_seed(0)
+    model, x = TwiceAfterBreak(), torch.randn(2, 8, 16)
+    with pytest.raises(graphamp.PolicyDriftError) as info:
+        graphamp.convert(model, (x,))
+    message = str(info.value)
+    assert "differs from eager autocast in every gradient this module differs in" in message
+    assert "more where this module follows eager" in message and "most likely torch.compile's own" in message
+    assert "graphamp bug" not in message
