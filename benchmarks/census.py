@@ -715,6 +715,9 @@ def main(argv: list[str] | None = None) -> None:
 
             torch.set_num_threads(args.threads)
         warnings.filterwarnings("ignore")  # each check records graphamp's own warnings
+        # Before the plan imports transformers: its timm-backed models (DETR's TimmBackbone) look
+        # for timm when first imported.
+        census_models.enable_census_site()
         names = select(list(_plan(args)), args.only, args.shard, None, args.seed)
         run_in_process({n: _plan(args)[n] for n in names}, Path(args.out), args.timeout)
     elif args.list:
