@@ -112,3 +112,17 @@ def test_capture_errors_print_nothing(capfd):
     with pytest.raises(graphamp.CaptureError, match="data-dependent"):
         graphamp.convert(DataDependent(), (torch.ones(3),))
     assert capfd.readouterr().out == ""
+
+
+def test_conversion_leaves_no_trace_values_in_the_models_python_caches():
+    # timm's LeViT caches its attention bias in a dict on the first eval call: the trace's fake
+    # tensor must not stay there, or the model (and convert's own self-check) later computes with it.
+    from test_backend_exact import BiasCache
+
+    torch.manual_seed(0)
+    model, x = BiasCache().eval(), torch.randn(2, 8)
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)  # the self-check compares with eager
+    assert model.attention_bias_cache == {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    assert torch.equal(amp(x), expected)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import re
@@ -215,7 +216,7 @@ def _containers_kept(model: nn.Module) -> Iterator[None]:
     and leaves the copies behind; put the model's own objects back (code and users hold them:
     Lightning's ``self.outputs.append(...)``), so conversion never changes the model."""
     held = [
-        (m, key, value)
+        (m, key, value, copy.copy(value))
         for m in model.modules()
         for key, value in list(vars(m).items())
         if key not in _MODULE_TABLES and type(value) in (list, dict, set)
@@ -223,9 +224,22 @@ def _containers_kept(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for m, key, value in held:
+        for m, key, value, before in held:
             if m.__dict__.get(key) is not value:
                 m.__dict__[key] = value
+            # What the trace put in (timm's LeViT caches a fake attention bias per device) goes too.
+            if _refilled(value, before):
+                value.clear()
+                value.update(before) if not isinstance(value, list) else value.extend(before)
+
+
+def _refilled(value: list | dict | set, before: list | dict | set) -> bool:
+    """Whether a container holds other objects than its copy from before (compared by identity)."""
+    if isinstance(value, dict):
+        return value.keys() != before.keys() or any(value[k] is not before[k] for k in before)
+    if isinstance(value, set):
+        return {id(x) for x in value} != {id(x) for x in before}
+    return len(value) != len(before) or any(a is not b for a, b in zip(value, before))
 
 
 # What torch logs (to stderr) on the way to an exception that reaches graphamp, which raises it
