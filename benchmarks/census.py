@@ -67,6 +67,13 @@ def _leaves(out: Any) -> list[tuple[str, Any]]:
     return [(pytree.keystr(path) or "output", leaf) for path, leaf in flat]
 
 
+def _plain_object(value: Any) -> bool:
+    """An instance with attributes of its own that pytree keeps whole (no container, no tensor)."""
+    import torch
+
+    return hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, type)) and not callable(value)
+
+
 def _same(a: Any, b: Any) -> bool:
     import torch
 
@@ -103,6 +110,12 @@ def compare_outputs(got: Any, want: Any) -> dict[str, Any] | None:
                 first = first or p
                 if isinstance(a, torch.Tensor):
                     worst = max(worst, _diff(a, b))
+        elif _plain_object(a) and type(a) is type(b):
+            # An object pytree does not flatten (a Hugging Face cache): its attributes are compared.
+            inner = compare_outputs(vars(a), vars(b))
+            if inner is not None:
+                first = first or f"{p}.{inner['first']}"
+                worst = max(worst, inner.get("max_abs_diff") or 0.0)
         elif a != b:
             first = first or p
     if first is None and not dtypes:
