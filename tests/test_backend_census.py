@@ -7,18 +7,8 @@ import torch
 from helpers import _loss, assert_same_grads, assert_same_outputs, run_eager
 from torch import nn
 
-EAGER = {"inner": "eager"}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def compiled(model, **options):
-    return torch.compile(model, backend="graphamp", options={**EAGER, **options})
+# The backend tests' own helpers: an empty dynamo cache per test (autouse), inner="eager".
+from test_backend import EAGER, _fresh_dynamo, compiled  # noqa: F401
 
 
 def run_compiled(cm, model, args, *, ambient):

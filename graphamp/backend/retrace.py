@@ -102,22 +102,10 @@ class _Retracer(Interpreter):
         states, cache_enabled = current_autocast_state()
         kept = KeptRegion(body, states, cache_enabled)
         operands = [self.env[n] for n in inputs]
-        mode = _get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY)
-        with _below_tracer():
-            out = run_region(kept, *operands)
-        tracer = mode.tracer
-        name = tracer.get_fresh_qualname("_graphamp_region")
-        tracer.root.register_module(name, kept)
-        attr = tracer.create_proxy("get_attr", name, (), {})
-        attr.node.meta["val"] = kept
-        proxy = tracer.create_proxy(
-            "call_function", run_region, (attr, *(tracer.unwrap_proxy(o) for o in operands)), {},
-            name="functorch_region",
+        out = _record_kept_call(
+            run_region, kept, operands, "_graphamp_region", "functorch_region",
+            "torch.vmap/jvp/grad region, run whole under eager's autocast state there",
         )
-        proxy.node.meta["graphamp"] = NodeInfo(
-            reason="torch.vmap/jvp/grad region, run whole under eager's autocast state there",
-        )
-        track_tensor_tree(out, proxy, constant=None, tracer=tracer)
         for node in nodes[1:]:
             self.env[node] = None
         for node, value in zip(outputs, out):
@@ -171,23 +159,10 @@ class _Retracer(Interpreter):
         self.kept.append(_KeptFunction(_module_of(fx_traceback.get_current_meta()), _is_untraced_custom_fwd(fwd)))
         states, cache_enabled = current_autocast_state()
         kept = KeptGraphFunction(fwd, bwd, kwargs, states, cache_enabled)
-        mode = _get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY)
-        with _below_tracer():
-            # Fake outputs with eager's dtypes: the forward runs under autocast, unrecorded.
-            out = apply_graph_function(kept, *operands)
-        tracer = mode.tracer
-        name = tracer.get_fresh_qualname("_graphamp_function")
-        tracer.root.register_module(name, kept)
-        attr = tracer.create_proxy("get_attr", name, (), {})
-        attr.node.meta["val"] = kept
-        proxy = tracer.create_proxy(
-            "call_function", apply_graph_function, (attr, *(tracer.unwrap_proxy(o) for o in operands)), {},
-            name="autograd_function",
+        return _record_kept_call(
+            apply_graph_function, kept, operands, "_graphamp_function", "autograd_function",
+            "custom autograd.Function, run whole with its own backward under eager's autocast state there",
         )
-        proxy.node.meta["graphamp"] = NodeInfo(
-            reason="custom autograd.Function, run whole with its own backward under eager's autocast state there",
-        )
-        return track_tensor_tree(out, proxy, constant=None, tracer=tracer)
 
 
 def _module_of(meta: Mapping[str, Any]) -> str:
@@ -294,3 +269,20 @@ def _copy_dynamo_metadata(gm: GraphModule, amp_gm: GraphModule) -> None:
         stack = node.meta.get("nn_module_stack")
         if stack:
             node.meta["nn_module_stack"] = {k: (_module_path(path), type_) for k, (path, type_) in stack.items()}
+
+
+def _record_kept_call(run: Any, kept: torch.nn.Module, operands: Sequence[Any], qualname: str, node_name: str, reason: str) -> Any:
+    """Record ``run(kept, *operands)`` as one node of the graph make_fx is building (``kept`` a
+    submodule of it), and return its outputs: fake values with eager's dtypes, from running it
+    below the tracer (under autocast, unrecorded)."""
+    mode = _get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY)
+    with _below_tracer():
+        out = run(kept, *operands)
+    tracer = mode.tracer
+    name = tracer.get_fresh_qualname(qualname)
+    tracer.root.register_module(name, kept)
+    attr = tracer.create_proxy("get_attr", name, (), {})
+    attr.node.meta["val"] = kept
+    proxy = tracer.create_proxy("call_function", run, (attr, *(tracer.unwrap_proxy(o) for o in operands)), {}, name=node_name)
+    proxy.node.meta["graphamp"] = NodeInfo(reason=reason)
+    return track_tensor_tree(out, proxy, constant=None, tracer=tracer)
