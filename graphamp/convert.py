@@ -13,6 +13,7 @@ from torch import nn
 
 from graphamp import hardware
 from graphamp.capture import capture
+from graphamp.capture.values import capture_by_values
 from graphamp.capture.dynamo import dynamo_fallback, needs_graph_breaks
 from graphamp.config import Config
 from graphamp.emit import ALL_ONES_AS_NONE, AmpModule, emit, is_all_ones
@@ -109,21 +110,59 @@ def convert(
     )
     if spec.mode == "exact":
         hardware.warn_if_emulated(spec.device_type, spec.dtype)
+    refused: CaptureError | None = None
     try:
         amp = _convert(model, args, kwargs, spec)
     except CaptureError as e:
         if not needs_graph_breaks(e):
             raise
+        refused = e
         amp = dynamo_fallback(model, args, kwargs, spec, e)
     if on_drift != "off" and applies(spec, model, args, kwargs):
         try:
             amp.meta[SELF_CHECK_META] = checker_for(amp)(amp, model, args, kwargs, spec, on_drift=on_drift)
         except PolicyDriftError as drift:
-            amp = _all_ones_masks_dropped(model, args, kwargs, spec, drift)
+            amp = _exact_again(model, args, kwargs, spec, drift, refused)
     if compile:
         from graphamp.compiled import compile_converted
 
         return compile_converted(amp, model, args, kwargs)
+    return amp
+
+
+def _exact_again(
+    model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, drift: PolicyDriftError, refused: CaptureError | None,
+) -> AmpModule:
+    """After the self-check found ``drift``, the first other conversion the self-check proves exact:
+    all-ones masks passed as None (where torch.export captured the model), then the capture on the
+    example's values; else ``drift`` is raised again.
+
+    torch.export traces on fake tensors, where model code that reads a tensor value or asks whether
+    it is traced takes another program than eager, and torch.compile's graph breaks (the fallback
+    where export refuses the model) sum some gradients in another order; the capture on values runs
+    eager's program itself, guarded, at the cost of a conversion per shape and per branch taken."""
+    if spec.mode != "exact":
+        raise drift
+    tries = [] if refused is not None else [lambda: _all_ones_masks_dropped(model, args, kwargs, spec, drift)]
+    tries.append(lambda: _checked(_convert(model, args, kwargs, dataclasses.replace(spec, capture="values")), model, args, kwargs, spec))
+    for attempt in tries:
+        try:
+            amp = attempt()
+        except (PolicyDriftError, CaptureError) as e:
+            _log.info("graphamp: %s: %s", type(model).__name__, str(e).strip().splitlines()[0][:200])
+            continue
+        if amp.graphamp_info.capture == "values":
+            _log.info(
+                "graphamp: %s captured on the example's values (eager's program, guarded; the module converts "
+                "again for other sizes and values its code branches on), because %s",
+                type(model).__name__, str(drift).strip().splitlines()[0][:200],
+            )
+        return amp
+    raise drift
+
+
+def _checked(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> AmpModule:
+    amp.meta[SELF_CHECK_META] = checker_for(amp)(amp, model, args, kwargs, spec, on_drift="raise")
     return amp
 
 
@@ -252,8 +291,12 @@ def _max_error(out: Any, ref: Any) -> float:
 def _rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> torch.fx.GraphModule:
     """Capture, observe eager and run the passes: the rewritten graph, before emit (graphamp.export
     hands it to torch.export instead)."""
+    grads = not (spec.inference or spec.grad_free) and spec.target == "module"
     with autocast_off():
-        gm = capture(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=not (spec.inference or spec.grad_free) and spec.target == "module")
+        if spec.capture == "values":
+            gm = capture_by_values(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
+        else:
+            gm = capture(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
         observe_eager(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype)
         run_passes(gm, spec, build_pipeline(spec, check=check))
         return gm

@@ -25,7 +25,7 @@ from torch.fx.graph_module import _forward_from_src
 
 from graphamp.capture import SIZE_CONDITIONS
 from graphamp.config import Config
-from graphamp.errors import InputMismatchError, InputShapeError, InputStructureError, ModelChangedError, ModelMethodError
+from graphamp.errors import InputMismatchError, InputShapeError, InputStructureError, InputValueError, ModelChangedError, ModelMethodError
 from graphamp.spec import AmpSpec, autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes.fuse_encoder_layers import FUSED_WITHOUT_GRAD
@@ -53,7 +53,7 @@ _MODEL_STATE = "_graphamp_model_state"  # (type, first parameter): what the mode
 MAX_SHAPE_CLASSES = 8
 # Inputs a graph refuses but a conversion of their own may take: another shape class, or another
 # structure or non-tensor value (HF Trainer adds loss kwargs such as num_items_in_batch).
-_CONVERTIBLE = (InputShapeError, InputStructureError)
+_CONVERTIBLE = (InputShapeError, InputStructureError, InputValueError)
 # The model's methods an AmpModule passes through: they read or write the shared parameters and the
 # config, and never run the model's forward (HF PreTrainedModel's, as HF Trainer calls them).
 PASSED_METHODS = frozenset({
@@ -78,11 +78,13 @@ class AmpInfo:
     inference: bool = False
     keep_io_types: bool = False  # a default: modules saved before it was recorded load with it
     grad_free: bool = False  # the graph for calls without grad of an exact module (AmpSpec.grad_free)
+    capture: str = "export"  # how the graph was captured (AmpSpec.capture); other shapes capture alike
 
     def spec(self) -> AmpSpec:
         """The conversion's spec again, to convert the same model for another shape class."""
         return AmpSpec(
-            self.device_type, self.dtype, self.mode, self.inference, self.config, "module", self.keep_io_types, self.grad_free
+            self.device_type, self.dtype, self.mode, self.inference, self.config, "module", self.keep_io_types, self.grad_free,
+            self.capture,
         )
 
 
@@ -340,7 +342,7 @@ class AmpModule(GraphModule):
                 return self._call_without_autocast(info, args, kwargs)
         return self._call_without_autocast(info, args, kwargs)
 
-    def _call_shape_class(self, refused: InputShapeError | InputStructureError, args: tuple, kwargs: dict) -> Any:
+    def _call_shape_class(self, refused: InputMismatchError, args: tuple, kwargs: dict) -> Any:
         """Run the module converted for these inputs' shape class (or structure), converting it on
         first use."""
         variants = self.__dict__.setdefault(_VARIANTS, [])
@@ -357,9 +359,13 @@ class AmpModule(GraphModule):
                     break
         return variant._call_graph(args, kwargs)
 
-    def _converted_for(self, refused: InputShapeError | InputStructureError, args: tuple, kwargs: dict) -> AmpModule:
+    def _converted_for(self, refused: InputMismatchError, args: tuple, kwargs: dict) -> AmpModule:
         model, variants = self.__dict__.get(_MODEL), self.__dict__.setdefault(_VARIANTS, [])
-        shapes = _shapes(args, kwargs) if isinstance(refused, InputShapeError) else "(another input structure)"
+        shapes = (
+            _shapes(args, kwargs) if isinstance(refused, InputShapeError)
+            else "(values the model's code branches on)" if isinstance(refused, InputValueError)
+            else "(another input structure)"
+        )
         if model is None:
             raise type(refused)(
                 f"{refused} This module cannot convert again for these inputs {shapes}: it holds no "
@@ -643,7 +649,8 @@ def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tup
             delattr(owner, name)
             owner.register_buffer(name, buf, persistent=False)
     amp.__dict__["_graphamp"] = AmpInfo(
-        spec.device_type, spec.dtype, spec.mode, model.training, spec.config, spec.inference, spec.keep_io_types
+        spec.device_type, spec.dtype, spec.mode, model.training, spec.config, spec.inference, spec.keep_io_types,
+        capture=spec.capture,
     )
     if spec.target == "module":
         bind_model(amp, model)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "InputValueError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError"]
 
 
 class GraphampError(Exception):
@@ -63,6 +63,14 @@ class InputStructureError(InputMismatchError):
     """Inputs differ from the example in structure (positional count, keyword names, nesting) or in a
     non-tensor value, which a converted graph bakes in; the module converts again for them, within
     its bound on conversions, and raises this beyond it."""
+
+
+class InputValueError(InputMismatchError):
+    """Inputs whose values take another branch of the model's code than the example's: a graph
+    captured by following the example's values (where torch.export cannot trace the model's eager
+    program) checks each tensor value the model's Python read, and each data-dependent size, as it
+    runs. The module converts again for them, within its bound on conversions, and raises this
+    beyond it."""
 
 
 class DeviceMismatchError(GraphampError, ValueError):

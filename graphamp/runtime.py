@@ -30,6 +30,7 @@ import copy
 import functools
 import importlib
 import math
+import operator
 import pickle
 import threading
 import types
@@ -41,7 +42,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
 
-from graphamp.errors import InputMismatchError, InputShapeError
+from graphamp.errors import InputMismatchError, InputShapeError, InputValueError
 
 __all__ = [
     "AmpTracer",
@@ -549,7 +550,67 @@ def autocast_op(op: Any, device_type: str, dtype: torch.dtype, *args: Any) -> An
         return op(*args)
 
 
-_RUNTIME_CALLS = (set_grad_enabled, cached_cast, autocast_cached, apply_function, autocast_op)
+# What a graph captured by following the example's values (graphamp.capture.values) checks as it
+# runs: each tensor value the model's Python read, by how it read it.
+_READS: dict[str, Callable[..., Any]] = {
+    "item": lambda t: t.item(),
+    "bool": lambda t: bool(t),
+    "int": lambda t: int(t),
+    "float": lambda t: float(t),
+    "index": lambda t: operator.index(t),
+    "complex": lambda t: complex(t),
+    "is_nonzero": lambda t: torch.is_nonzero(t),
+    "tolist": lambda t: t.detach().cpu().tolist(),
+    "numpy": lambda t: t.detach().cpu().tolist(),
+    "equal": lambda a, b: torch.equal(a, b),
+    "contains": lambda t, value: value in t,
+    "allclose": lambda a, b, *rest: torch.allclose(a, b, *rest),
+}
+
+
+def _same_value(got: Any, expected: Any) -> bool:
+    """Equal as the model's branch sees it: NaN equals NaN, and lists compare element by element."""
+    if isinstance(expected, (list, tuple)):
+        return isinstance(got, (list, tuple)) and len(got) == len(expected) and all(map(_same_value, got, expected))
+    if isinstance(expected, float) and expected != expected:
+        return isinstance(got, float) and got != got
+    return type(got) is type(expected) and got == expected
+
+
+def guard_value(read: str, values: Sequence[Any], expected: Any, where: str = "") -> None:
+    """Check that reading ``values`` as the model's code did (``read``: "bool", "item", "tolist",
+    ...) gives what it gave on the example the graph was captured for; else raise
+    :class:`graphamp.errors.InputValueError` (the module converts again for these inputs).
+
+    >>> guard_value("bool", [torch.ones(3).all()], True)
+    >>> guard_value("item", [torch.tensor(2)], 3)
+    Traceback (most recent call last):
+    graphamp.errors.InputValueError: ...
+    """
+    got = _READS[read](*values)
+    if not _same_value(got, expected):
+        shown = repr(expected) if len(repr(expected)) < 60 else repr(expected)[:57] + "..."
+        raise InputValueError(
+            f"the model's code read a tensor value ({read}{f' at {where}' if where else ''}) that was {shown} on the "
+            "example this graph follows, and differs on these inputs: eager runs another program for them."
+        )
+
+
+def guard_size(value: torch.Tensor, size: Sequence[int], where: str = "") -> torch.Tensor:
+    """``value``, checked to have the size it had on the example (an op whose output size depends
+    on values: ``nonzero``, ``masked_select``, ``unique``): the graph holds the sizes that follow."""
+    if tuple(value.shape) != tuple(size):
+        raise InputValueError(
+            f"an op{f' at {where}' if where else ''} whose output size depends on tensor values gave {tuple(value.shape)} "
+            f"where the example gave {tuple(size)}, and the graph holds the sizes that follow from it."
+        )
+    return value
+
+
+torch.fx.node.has_side_effect(guard_value)
+torch.fx.node.has_side_effect(guard_size)
+
+_RUNTIME_CALLS = (set_grad_enabled, cached_cast, autocast_cached, apply_function, autocast_op, guard_value, guard_size)
 
 
 class AmpTracer(torch.fx.Tracer):

@@ -1,0 +1,389 @@
+"""Capture by running the model on the example's values: eager's own program, with guards.
+
+torch.export traces on fake tensors, so model code that reads a tensor's value, or asks whether it
+is being traced, takes another program than eager: transformers' mask utilities drop an all-ones
+mask in eager (``padding_mask.all()``) and build an fp32 zero bias when traced (``is_tracing`` is
+True for a fake tensor), which makes softmax run in fp32 under autocast; data-dependent branches
+stop export altogether. Here the model runs for real, on the example, under the tracer (make_fx at
+pre-dispatch, as export's own tracer): every op is recorded as eager runs it, and every value the
+model's Python reads is what eager reads. The graph then holds the example's program, so it checks,
+as it runs, what it follows:
+
+* each read of a tensor value (``bool(t)``, ``t.item()``, ``t.tolist()``, ``torch.equal``, ...) gives
+  what it gave on the example (:func:`graphamp.runtime.guard_value`);
+* each op whose output size depends on values (``nonzero``, ``masked_select``) gives the example's
+  size (:func:`graphamp.runtime.guard_size`);
+* every input size is the example's (the graph is static, ``CAPTURED_STATIC``).
+
+A failed check raises :class:`graphamp.InputValueError` (or a shape error), and the converted module
+converts again for those inputs, as for any other shape class. A check that would fail after the
+graph changed state (a buffer updated in place, a random draw) is moved, with the ops it reads, to
+the start of the graph, so a refused call leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import operator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from graphamp.capture.functions import _FunctionKeeper
+from graphamp.errors import CaptureError
+from graphamp.runtime import Slot, fill, guard_size, guard_value
+from graphamp.spec import ambient_autocast
+
+__all__ = ["capture_by_values"]
+
+
+@torch.library.custom_op("graphamp::value_read", mutates_args=())
+def _value_read(tensors: list[torch.Tensor], key: int) -> None:
+    """A marker the tracer records where the model's code read tensor values (``key`` into the reads)."""
+
+
+@_value_read.register_fake
+def _(tensors: list[torch.Tensor], key: int) -> None:
+    return None
+
+
+_VALUE_READ = torch.ops.graphamp.value_read.default
+
+# The Python-level reads of tensor values model code branches on, by the name the run-time guard
+# reads them with (graphamp.runtime._READS).
+_T = torch.Tensor
+_READ_NAMES: dict[Any, str] = {
+    _T.item: "item", _T.__bool__: "bool", _T.__int__: "int", _T.__float__: "float", _T.__index__: "index",
+    _T.__complex__: "complex", _T.is_nonzero: "is_nonzero", torch.is_nonzero: "is_nonzero", _T.tolist: "tolist",
+    _T.numpy: "numpy", _T.__array__: "numpy", _T.equal: "equal", torch.equal: "equal", _T.__contains__: "contains",
+    _T.allclose: "allclose", torch.allclose: "allclose",
+}
+
+
+class _Read:
+    """One read: how, its arguments (tensors as slots), what it gave, and where in the model's code."""
+
+    def __init__(self, name: str, template: Any, observed: Any, where: str) -> None:
+        self.name, self.template, self.observed, self.where = name, template, observed, where
+
+
+class _ValueReads(TorchFunctionMode):
+    """Records each read of a tensor value by the model's code, with a marker node in the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[_Read] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = _READ_NAMES.get(func)
+        if name is None or kwargs:
+            return out
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors:
+            return out
+        template = tuple(Slot(tensors.index(a)) if isinstance(a, torch.Tensor) else a for a in args)
+        observed = out.tolist() if name == "numpy" else out
+        self.reads.append(_Read(name, template, observed, _model_line()))
+        _value_read(tensors, len(self.reads) - 1)
+        return out
+
+
+def _model_line() -> str:
+    """file:line of the model code that made the current call (the first frame outside torch and graphamp)."""
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    here = __file__.rsplit("/", 2)[0]
+    for frame in inspect.stack(context=0)[2:]:
+        if not frame.filename.startswith((torch_dir, here)):
+            return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+    return ""
+
+
+def capture_by_values(
+    model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype, grads: bool = True,
+) -> GraphModule:
+    """The graph of eager's program on this example, traced on its values under autocast(device_type,
+    dtype), with guards on what it follows; in the form ``capture`` returns (parameters and buffers as
+    the model's own attributes, the inputs' and outputs' pytree), every size static."""
+    from graphamp.capture import CAPTURED_STATIC, SIZE_CONDITIONS
+    from graphamp.capture.functions import _bind_kept_functions
+    from graphamp.probe import _state_restored
+
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(model.named_buffers(remove_duplicate=False))
+    flat, in_spec = pytree.tree_flatten((args, kwargs))
+    reads = _ValueReads()
+    out_spec: list[Any] = []
+
+    def run(state: dict[str, torch.Tensor], flat: list[Any]) -> list[Any]:
+        a, k = pytree.tree_unflatten(flat, in_spec)
+        with reads:
+            out = torch.func.functional_call(model, state, a, k, tie_weights=False, strict=True)
+        leaves, spec = pytree.tree_flatten(out)
+        out_spec.append(spec)
+        return leaves
+
+    run._orig_mod = model  # make_fx records each node's module stack relative to the model
+    keeper = _FunctionKeeper()
+    try:
+        with (
+            _state_restored(model), ambient_autocast(device_type, dtype), keeper,
+            torch.enable_grad() if grads else contextlib.nullcontext(),
+        ):
+            traced = make_fx(
+                run, tracing_mode="real", pre_dispatch=True, record_module_stack=True,
+                _error_on_data_dependent_ops=False, record_stack_traces=True,
+            )(state, flat)
+    except CaptureError:
+        raise
+    except Exception as e:
+        raise CaptureError(
+            f"graphamp could not trace {type(model).__name__} on the example's values: {type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        ) from e
+    _check_outputs(traced, model)
+    gm = _as_model_graph(traced, model, list(state), flat, in_spec, out_spec[0])
+    _guard_reads(gm, reads.reads)
+    _guard_sizes(gm)
+    _guards_first(gm)
+    _drop_dead(gm.graph)
+    _one_fake_mode(gm)
+    gm.meta[CAPTURED_STATIC] = True
+    gm.meta[SIZE_CONDITIONS] = []
+    gm.meta[CAPTURED_BY_VALUES] = len(reads.reads)
+    if keeper.kept:
+        _bind_kept_functions(gm, keeper.kept)
+    gm.recompile()
+    return gm
+
+
+# gm.meta key: the graph follows the example's values (the number of value reads it guards).
+CAPTURED_BY_VALUES = "graphamp_captured_by_values"
+
+
+def _check_outputs(traced: GraphModule, model: nn.Module) -> None:
+    (outputs,) = traced.graph.find_nodes(op="output")
+    for leaf in pytree.tree_leaves(outputs.args[0]):
+        if not isinstance(leaf, (Node, int, float, bool, str, type(None), torch.dtype, torch.device)):
+            raise CaptureError(
+                f"graphamp could not trace {type(model).__name__} on the example's values: it returns a "
+                f"{type(leaf).__name__} in its outputs, which a converted graph cannot return (register it "
+                "with torch.utils._pytree, or for a Hugging Face cache pass use_cache=False)"
+            )
+
+
+def _as_model_graph(
+    traced: GraphModule, model: nn.Module, names: list[str], flat: list[Any], in_spec: Any, out_spec: Any,
+) -> GraphModule:
+    """``traced``'s graph with the state placeholders read as the model's attributes, the inputs
+    named for the model's arguments, and the model's input and output pytree."""
+    graph = traced.graph
+    placeholders = graph.find_nodes(op="placeholder")
+    state_nodes, input_nodes = placeholders[: len(names)], placeholders[len(names):]
+    root: dict[str, Any] = {}
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for node, path in zip(state_nodes, names):
+        with graph.inserting_before(first):
+            attr = graph.create_node("get_attr", path)
+        attr.meta.update(node.meta)
+        node.replace_all_uses_with(attr)
+        graph.erase_node(node)
+        root[path] = model.get_parameter(path) if path in dict(model.named_parameters(remove_duplicate=False)) else model.get_buffer(path)
+    for node in graph.find_nodes(op="get_attr"):
+        if node.target not in root:
+            root[node.target] = operator.attrgetter(node.target)(traced)
+    arg_names = _argument_names(model, flat, in_spec)
+    for node, name in zip(input_nodes, arg_names):
+        node._rename(name)
+        node.target = node.name
+    graph._codegen = torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo([n.target for n in input_nodes], in_spec, out_spec))
+    gm = GraphModule(root, graph)
+    gm.meta.update(traced.meta)
+    return gm
+
+
+def _argument_names(model: nn.Module, flat: list[Any], in_spec: Any) -> list[str]:
+    """A name per flat input: the forward's parameter (or keyword) it is, with its path inside."""
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for path, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(flat, in_spec))[0]:
+        (where, *inner) = path
+        if where.idx == 0 and inner:  # positional: args[i]
+            i, inner = inner[0].idx, inner[1:]
+            base = params[i] if i < len(params) else f"arg{i}"
+        elif inner:
+            base, inner = str(inner[0].key), inner[1:]
+        else:
+            base = "input"
+        names.append("_".join([base, *(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", "x")))) for p in inner)]))
+    return names
+
+
+_DATA_DEPENDENT = torch.Tag.data_dependent_output
+
+
+def _is_data_read(node: Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and (
+        _DATA_DEPENDENT in node.target.tags or node.target is torch.ops.aten.is_nonzero.default
+    )
+
+
+def _guard_reads(gm: GraphModule, reads: list[_Read]) -> None:
+    """Each recorded read becomes a guard on its value; the ATen reads the tracer recorded for it go.
+
+    A read the model's code made another way (below the Python API the tracer sees) has no guard to
+    take its place, so the capture refuses the model rather than bake in an unchecked value.
+    """
+    graph = gm.graph
+    pending: list[Node] = []
+    for node in list(graph.nodes):
+        if _is_data_read(node):
+            pending.append(node)
+        elif node.op == "call_function" and node.target is _VALUE_READ:
+            tensors, key = node.args
+            read = reads[key]
+            values = fill(read.template, list(tensors))
+            with graph.inserting_before(node):
+                guard = graph.call_function(guard_value, (read.name, list(values), read.observed, read.where))
+            guard.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
+            graph.erase_node(node)
+            for done in pending:
+                if not done.users:
+                    graph.erase_node(done)
+            pending.clear()
+        elif pending and node.op == "call_function":
+            raise _unguarded(pending[0])
+    if pending:
+        raise _unguarded(pending[0])
+
+
+def _unguarded(node: Node) -> CaptureError:
+    where = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:-1]
+    return CaptureError(
+        f"graphamp could not trace the model on the example's values: its code reads a tensor value with "
+        f"{node.target} where graphamp cannot check it{(' (' + where[0].strip() + ')') if where else ''}"
+    )
+
+
+def _guard_sizes(gm: GraphModule) -> None:
+    """After each op whose output size depends on values, a guard that it is the example's."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and torch.Tag.dynamic_output_shape in target.tags:
+            for i, val in enumerate(pytree.tree_leaves(node.meta.get("val"))):
+                if not isinstance(val, torch.Tensor):
+                    continue
+                with graph.inserting_after(node):
+                    src = node if isinstance(node.meta.get("val"), torch.Tensor) else graph.call_function(operator.getitem, (node, i))
+                    if src is not node:
+                        src.meta["val"] = val
+                with graph.inserting_after(src):
+                    graph.call_function(guard_size, (src, list(val.shape), _line(node)))
+
+
+def _line(node: Node) -> str:
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    frame = next((line for line in reversed(lines) if line.strip().startswith("File ")), "")
+    return frame.strip().replace('File "', "").split('", line ')[0].rsplit("/", 1)[-1] + (
+        ":" + frame.split(", line ")[1].split(",")[0] if ", line " in frame else ""
+    )
+
+
+def _changes_state(node: Node) -> bool:
+    """Whether running ``node`` changes what a later call sees: an in-place op, a random draw, a kept
+    custom Function (its forward may do either)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+    return target not in _SCOPED
+
+
+# Calls a pre-dispatch graph records that change no state a later call sees.
+_SCOPED = (
+    guard_value, guard_size, operator.getitem, torch._C._set_grad_enabled,
+    torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast,
+)
+
+
+def _guards_first(gm: GraphModule) -> None:
+    """Each guard that comes after a change of state moves, with a copy of the ops it reads, before
+    the first such change; a guard whose reads themselves change state stays, and then the capture
+    is refused (a refused call would leave the change behind)."""
+    graph = gm.graph
+    changes = [n for n in graph.nodes if _changes_state(n)]
+    if not changes:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = changes[0]
+    for guard in [n for n in graph.nodes if n.target in (guard_value, guard_size)]:
+        if order[guard] < order[first]:
+            continue
+        cone = _ancestors(guard)
+        if any(_changes_state(n) for n in cone):
+            raise CaptureError(
+                "graphamp could not trace the model on the example's values: it reads a tensor value "
+                f"({_line(guard) or guard.name}) computed by ops that change state (in place, or random)"
+            )
+        copies: dict[Node, Node] = {}
+        for node in sorted(cone, key=order.__getitem__):
+            if node.op == "placeholder" or order[node] < order[first]:
+                continue
+            with graph.inserting_before(first):
+                copies[node] = graph.node_copy(node, lambda n: copies.get(n, n))
+        with graph.inserting_before(first):
+            graph.node_copy(guard, lambda n: copies.get(n, n))
+        graph.erase_node(guard)
+
+
+def _drop_dead(graph: Graph) -> None:
+    """Drop the ops whose values only the replaced reads used (pure ATen ops with no users; a random
+    draw stays, as eager draws it)."""
+    for node in reversed(list(graph.nodes)):
+        target = node.target
+        if (
+            node.op == "call_function" and not node.users and isinstance(target, torch._ops.OpOverload)
+            and not _changes_state(node)
+        ):
+            graph.erase_node(node)
+
+
+def _ancestors(node: Node) -> set[Node]:
+    seen: set[Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _one_fake_mode(gm: GraphModule) -> None:
+    """Every node's value as a fake tensor of one mode (make_fx gives each its own), which the
+    passes recompute edited nodes in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def rehome(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        with mode:
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta["val"] = pytree.tree_map(rehome, node.meta["val"])

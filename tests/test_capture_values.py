@@ -1,0 +1,220 @@
+"""The capture on the example's values (graphamp/capture/values.py): eager's own program, guarded.
+
+Where torch.export's program is not eager's (model code that asks whether it is traced, or reads a
+tensor's value), convert captures the model by running it on the example, and the graph checks as
+it runs that each value the model's code read, and each data-dependent size, is the example's; a
+call that differs gets a conversion of its own. Each case below is checked bitwise against eager
+autocast, outputs and gradients, on the example and on inputs that take the other branch.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphamp
+from graphamp.capture.values import capture_by_values
+from graphamp.emit import _VARIANTS
+from graphamp.errors import CaptureError, InputValueError
+from graphamp.runtime import guard_size, guard_value
+from helpers import assert_exact
+from test_grad_regressions import MaskedEncoder, _inputs
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _by_values(model: nn.Module, args: tuple, dtype: torch.dtype = torch.bfloat16) -> graphamp.AmpModule:
+    """``model`` converted from the capture on values (convert takes it where the self-check finds
+    export's or the dynamo fallback's program differs; these models the fallback runs exactly)."""
+    import dataclasses
+
+    from graphamp.convert import _convert
+    from graphamp.spec import AmpSpec
+
+    spec = dataclasses.replace(AmpSpec.resolve(model, (args, {}), dtype=dtype), capture="values")
+    return _convert(model, args, {}, spec)
+
+
+def _guards(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.target in (guard_value, guard_size)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_a_model_that_detects_tracing_converts_to_eagers_program(dtype: torch.dtype) -> None:
+    # transformers' mask utilities: eager skips an all-zeros bias by the mask's values, a trace on
+    # fake tensors builds it (fp32 scores, fp32 softmax). The mask is positional, so passing None
+    # for it (the all-ones fallback) does not apply: the capture on values does.
+    model = MaskedEncoder(skip_bias_without_padding=True).train()
+    args, kwargs = _inputs(padded=False)
+    amp = graphamp.convert(model, args, kwargs, dtype=dtype)
+    assert amp.graphamp_info.capture == "values"
+    assert_exact(model, amp, args, kwargs, dtype)
+    padded, _ = _inputs(padded=True)  # eager adds the bias: the guard refuses, a graph of its own
+    assert_exact(model, amp, padded, {}, dtype)
+    assert len(amp.__dict__[_VARIANTS]) == 1
+    assert_exact(model, amp, args, kwargs, dtype)  # the example's values: the first graph again
+    assert len(amp.__dict__[_VARIANTS]) == 1
+
+
+def test_the_graph_guards_the_value_it_follows() -> None:
+    model = MaskedEncoder(skip_bias_without_padding=True).eval()
+    args, _ = _inputs(padded=False)
+    gm = capture_by_values(model, args, {}, device_type="cpu", dtype=torch.bfloat16)
+    (guard,) = _guards(gm)
+    assert guard.args[0] == "bool" and guard.args[2] is True
+    assert not any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.data_dependent_output in n.target.tags for n in gm.graph.nodes)
+    assert "where" not in str(gm.code)  # the bias eager skips is not in the graph
+    _, padded = args[0], _inputs(padded=True)[0][1]
+    with pytest.raises(InputValueError, match="read a tensor value"):
+        gm(args[0], padded)
+
+
+class BranchOnSum(nn.Module):
+    """A branch torch.export refuses (data-dependent control flow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if h.sum() > 0:
+            return h.relu() @ h.T
+        return h.softmax(-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_a_branch_export_refuses_is_captured_by_values(dtype: torch.dtype) -> None:
+    model = BranchOnSum().train()
+    x = 10 * torch.randn(4, 8, generator=torch.Generator().manual_seed(0))  # the sign of h.sum() follows x's
+    positive = x if model.lin(x).sum() > 0 else -x
+    assert isinstance(graphamp.convert(model, (positive,), dtype=dtype), graphamp.DynamoAmpModule)  # exact already
+    amp = _by_values(model, (positive,), dtype)
+    assert isinstance(amp, graphamp.AmpModule) and amp.graphamp_info.capture == "values"
+    assert_exact(model, amp, (positive,), {}, dtype)
+    assert_exact(model, amp, (-positive,), {}, dtype)  # the other branch: converted on first use
+    assert len(amp.__dict__[_VARIANTS]) == 1
+
+
+class SplitByLengths(nn.Module):
+    """Reads values with tolist() and int(): sizes that come from a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        parts = self.lin(x).split(lengths.tolist())
+        longest = int(lengths.max())
+        return torch.stack([F.pad(p, (0, 0, 0, longest - p.shape[0])) for p in parts])
+
+
+def test_tolist_and_int_reads_are_guarded() -> None:
+    model = SplitByLengths()
+    x = torch.randn(5, 6)
+    amp = _by_values(model, (x, torch.tensor([2, 3])))
+    assert amp.graphamp_info.capture == "values"
+    assert {n.args[0] for n in _guards(amp)} >= {"tolist", "int"}
+    assert_exact(model, amp, (x, torch.tensor([2, 3])), {}, torch.bfloat16)
+    assert_exact(model, amp, (x, torch.tensor([4, 1])), {}, torch.bfloat16)
+    assert len(amp.__dict__[_VARIANTS]) == 1
+
+
+class SelectPositive(nn.Module):
+    """An op whose output size depends on values (boolean indexing: nonzero)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        picked = h[x[:, 0] > 0]
+        if picked.shape[0] == 0:
+            return h.sum(0)
+        return picked.mean(0) + h.sum(0)
+
+
+def test_a_data_dependent_size_is_guarded() -> None:
+    model = SelectPositive()
+    x = torch.tensor([[1.0, 2, 3, 4], [-1, 0, 1, 2], [2, 1, 0, -1]])
+    amp = _by_values(model, (x,))
+    assert amp.graphamp_info.capture == "values"
+    assert any(n.target is guard_size for n in amp.graph.nodes)
+    assert_exact(model, amp, (x,), {}, torch.bfloat16)
+    other = x.clone()
+    other[1, 0] = 5.0  # three rows picked where the example picked two
+    assert_exact(model, amp, (other,), {}, torch.bfloat16)
+    assert len(amp.__dict__[_VARIANTS]) == 1
+
+
+class DropoutThenRead(nn.Module):
+    """A random draw before the read: a refused call must not have drawn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.lin(x))
+        if flag.any():
+            return h * 2
+        return h.softmax(-1)
+
+
+def test_a_guard_after_a_random_draw_runs_first() -> None:
+    model = DropoutThenRead().train()
+    x = torch.randn(4, 8)
+    yes, no = torch.tensor([True, False]), torch.tensor([False, False])
+    amp = _by_values(model, (x, yes))
+    assert amp.graphamp_info.capture == "values"
+    (guard,) = [n for n in amp.graph.nodes if n.target is guard_value]
+    first_draw = next(n for n in amp.graph.nodes if n.target is torch.ops.aten.dropout.default)
+    order = {n: i for i, n in enumerate(amp.graph.nodes)}
+    assert order[guard] < order[first_draw]
+    for flag in (yes, no, yes):  # the refused call draws nothing: the same masks as eager
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(x, flag)
+        torch.manual_seed(3)
+        assert torch.equal(amp(x, flag), expected)
+
+
+class ReadsARandomValue(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(x, 0.5, training=True)
+        return h * 2 if h.sum() > 0 else h
+
+
+def test_a_read_of_a_random_value_is_not_captured_by_values() -> None:
+    with pytest.raises(CaptureError, match="change state"):
+        capture_by_values(ReadsARandomValue(), (torch.randn(4),), {}, device_type="cpu", dtype=torch.bfloat16)
+
+
+def test_a_converted_module_by_values_saves_and_loads() -> None:
+    model = BranchOnSum().eval()
+    x = 10 * torch.randn(4, 8)
+    amp = _by_values(model, (x,))
+    buffer = io.BytesIO()
+    torch.save(amp, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for inp in (x, -x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(inp)
+        assert torch.equal(loaded(inp), expected)
+    assert len(loaded.__dict__[_VARIANTS]) == 1  # -x took the other branch: converted after loading
+
+
+def test_guard_value_compares_as_a_branch_would() -> None:
+    guard_value("tolist", [torch.tensor([1.0, float("nan")])], [1.0, float("nan")])
+    guard_value("equal", [torch.ones(2), torch.ones(2)], True)
+    with pytest.raises(InputValueError):
+        guard_value("int", [torch.tensor(3)], 3.0)  # another type is another value to Python code
+    with pytest.raises(InputValueError, match="output size"):
+        guard_size(torch.zeros(3, 2), [2, 2])
