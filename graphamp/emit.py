@@ -34,7 +34,10 @@ from graphamp.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
 from graphamp.self_check import SELF_CHECK_META
-from graphamp.runtime import _MODEL, _NODE_META, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module
+from graphamp.runtime import (
+    _MODEL, _NODE_META, RESTORE_ON_REFUSAL, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module,
+    restored_on_refusal,
+)
 
 __all__ = ["AmpModule", "AmpInfo", "emit", "input_signature", "describe_signature"]
 
@@ -337,10 +340,12 @@ class AmpModule(GraphModule):
                 "non-tensor values from the example the graph was converted for, which it baked in: "
                 f"{describe_signature(input_signature(args, kwargs))} vs {describe_signature(expected)}."
             )
-        if info is not None and info.inference:
-            with torch.no_grad():
-                return self._call_without_autocast(info, args, kwargs)
-        return self._call_without_autocast(info, args, kwargs)
+        restore = self.meta.get(RESTORE_ON_REFUSAL)
+        with restored_on_refusal(self, *restore) if restore else contextlib.nullcontext():
+            if info is not None and info.inference:
+                with torch.no_grad():
+                    return self._call_without_autocast(info, args, kwargs)
+            return self._call_without_autocast(info, args, kwargs)
 
     def _call_shape_class(self, refused: InputMismatchError, args: tuple, kwargs: dict) -> Any:
         """Run the module converted for these inputs' shape class (or structure), converting it on

@@ -607,6 +607,40 @@ def guard_size(value: torch.Tensor, size: Sequence[int], where: str = "") -> tor
     return value
 
 
+# AmpModule.meta key: (buffer paths, random draws?) a graph changes before a guard that may refuse
+# the call, which the module puts back when it does (graphamp.capture.values).
+RESTORE_ON_REFUSAL = "graphamp_restore_on_refusal"
+
+
+@contextlib.contextmanager
+def restored_on_refusal(root: nn.Module, buffers: Sequence[str], rng: bool) -> Iterator[None]:
+    """Run a graph whose guards may refuse the call after it changed state: on
+    :class:`~graphamp.errors.InputValueError`, the buffers it updated in place (batch-norm
+    statistics) and the random generator's state are put back, so that the graph converted for
+    these inputs runs from the state eager would.
+
+    >>> bn = nn.BatchNorm1d(2)
+    >>> try:
+    ...     with restored_on_refusal(bn, ["running_mean"], True):
+    ...         bn.running_mean.add_(1.0)
+    ...         raise InputValueError("refused")
+    ... except InputValueError:
+    ...     pass
+    >>> assert torch.equal(bn.running_mean, torch.zeros(2))
+    """
+    saved = [(root.get_buffer(path), root.get_buffer(path).clone()) for path in buffers]
+    state = torch.get_rng_state() if rng else None
+    try:
+        yield
+    except InputValueError:
+        with torch.no_grad():
+            for buf, before in saved:
+                buf.copy_(before)
+        if state is not None:
+            torch.set_rng_state(state)
+        raise
+
+
 torch.fx.node.has_side_effect(guard_value)
 torch.fx.node.has_side_effect(guard_size)
 

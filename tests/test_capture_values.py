@@ -19,7 +19,7 @@ from torch import nn
 import graphamp
 from graphamp.capture.values import capture_by_values
 from graphamp.emit import _VARIANTS
-from graphamp.errors import CaptureError, InputValueError
+from graphamp.errors import InputValueError
 from graphamp.runtime import guard_size, guard_value
 from helpers import assert_exact
 from test_grad_regressions import MaskedEncoder, _inputs
@@ -185,15 +185,42 @@ def test_a_guard_after_a_random_draw_runs_first() -> None:
         assert torch.equal(amp(x, flag), expected)
 
 
-class ReadsARandomValue(nn.Module):
+class ReadsAfterChanges(nn.Module):
+    """DETR's encoder layer in training: a read of values that a random draw and batch norm's
+    in-place statistics produced, so its guard cannot run first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+        self.lin = nn.Linear(8, 8)
+        self.taken: set[bool] = set()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.dropout(x, 0.5, training=True)
-        return h * 2 if h.sum() > 0 else h
+        h = F.dropout(self.bn(self.lin(x)), 0.5, training=self.training)
+        positive = bool(h.sum() > 0)
+        self.taken.add(positive)
+        return h.softmax(-1) if positive else h * 2
 
 
-def test_a_read_of_a_random_value_is_not_captured_by_values() -> None:
-    with pytest.raises(CaptureError, match="change state"):
-        capture_by_values(ReadsARandomValue(), (torch.randn(4),), {}, device_type="cpu", dtype=torch.bfloat16)
+def test_a_refused_call_puts_back_what_the_graph_changed_before_its_guard() -> None:
+    from graphamp.runtime import RESTORE_ON_REFUSAL
+
+    model = ReadsAfterChanges().train()
+    twin = ReadsAfterChanges().train()
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    amp = _by_values(model, (x,))
+    buffers, rng = amp.meta[RESTORE_ON_REFUSAL]
+    assert rng and set(buffers) >= {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    for seed in range(6):
+        torch.manual_seed(seed)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = twin(x)
+        torch.manual_seed(seed)
+        assert torch.equal(amp(x), expected)
+        for name, buf in twin.named_buffers():  # batch-norm statistics updated once per call, as eager's
+            assert torch.equal(model.get_buffer(name), buf), name
+    assert twin.taken == {True, False} and len(amp.__dict__[_VARIANTS]) == 1
 
 
 def test_a_converted_module_by_values_saves_and_loads() -> None:

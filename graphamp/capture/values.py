@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.capture.functions import _FunctionKeeper
 from graphamp.errors import CaptureError
-from graphamp.runtime import Slot, fill, guard_size, guard_value
+from graphamp.runtime import RESTORE_ON_REFUSAL, Slot, fill, guard_size, guard_value
 from graphamp.spec import ambient_autocast
 
 __all__ = ["capture_by_values"]
@@ -307,7 +307,11 @@ def _changes_state(node: Node) -> bool:
         return False
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+        return (
+            target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+            # Their schemas do not say so, but in training they update the running statistics.
+            or any(name in target.name() for name in ("batch_norm", "instance_norm"))
+        )
     return target not in _SCOPED
 
 
@@ -320,23 +324,24 @@ _SCOPED = (
 
 def _guards_first(gm: GraphModule) -> None:
     """Each guard that comes after a change of state moves, with a copy of the ops it reads, before
-    the first such change; a guard whose reads themselves change state stays, and then the capture
-    is refused (a refused call would leave the change behind)."""
+    the first such change, so that a refused call has changed nothing. A guard whose reads change
+    state themselves (DETR checks ``isfinite`` after dropout) stays; the module then saves what the
+    graph changes (buffers updated in place, the random state) and puts it back when a call is
+    refused (``gm.meta[RESTORE_ON_REFUSAL]``)."""
     graph = gm.graph
     changes = [n for n in graph.nodes if _changes_state(n)]
     if not changes:
         return
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = changes[0]
+    stays = False
     for guard in [n for n in graph.nodes if n.target in (guard_value, guard_size)]:
         if order[guard] < order[first]:
             continue
         cone = _ancestors(guard)
         if any(_changes_state(n) for n in cone):
-            raise CaptureError(
-                "graphamp could not trace the model on the example's values: it reads a tensor value "
-                f"({_line(guard) or guard.name}) computed by ops that change state (in place, or random)"
-            )
+            stays = True
+            continue
         copies: dict[Node, Node] = {}
         for node in sorted(cone, key=order.__getitem__):
             if node.op == "placeholder" or order[node] < order[first]:
@@ -346,6 +351,13 @@ def _guards_first(gm: GraphModule) -> None:
         with graph.inserting_before(first):
             graph.node_copy(guard, lambda n: copies.get(n, n))
         graph.erase_node(guard)
+    if stays:
+        buffers = dict(gm.named_buffers())
+        changed = {
+            a.target for n in changes for a in n.all_input_nodes if a.op == "get_attr" and a.target in buffers
+        }
+        random = any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags for n in changes)
+        gm.meta[RESTORE_ON_REFUSAL] = (sorted(changed), random or any(not isinstance(n.target, torch._ops.OpOverload) for n in changes))
 
 
 def _drop_dead(graph: Graph) -> None:
