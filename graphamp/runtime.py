@@ -565,6 +565,7 @@ _READS: dict[str, Callable[..., Any]] = {
     "equal": lambda a, b: torch.equal(a, b),
     "contains": lambda t, value: value in t,
     "allclose": lambda a, b, *rest: torch.allclose(a, b, *rest),
+    "op": lambda op, *args: op(*args),  # an ATen op's own read (``aten.item`` inside a composite op)
 }
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,6 +133,7 @@ def capture_by_values(
 
     run._orig_mod = model  # make_fx records each node's module stack relative to the model
     keeper = _FunctionKeeper()
+    rng = torch.get_rng_state()
     try:
         with (
             _state_restored(model), ambient_autocast(device_type, dtype), keeper,
@@ -150,7 +152,7 @@ def capture_by_values(
         ) from e
     _check_outputs(traced, model)
     gm = _as_model_graph(traced, model, list(state), flat, in_spec, out_spec[0])
-    _guard_reads(gm, reads.reads)
+    _guard_reads(gm, reads.reads, _run_for_values(gm, flat, rng, model, device_type, dtype))
     _guard_sizes(gm)
     _guards_first(gm)
     _drop_dead(gm.graph)
@@ -238,14 +240,32 @@ def _is_data_read(node: Node) -> bool:
     )
 
 
-def _guard_reads(gm: GraphModule, reads: list[_Read]) -> None:
+def _guard_reads(gm: GraphModule, reads: list[_Read], values_of: Callable[[list[Node]], dict[Node, Any]]) -> None:
     """Each recorded read becomes a guard on its value; the ATen reads the tracer recorded for it go.
 
-    A read the model's code made another way (below the Python API the tracer sees) has no guard to
-    take its place, so the capture refuses the model rather than bake in an unchecked value.
+    A read the model's code made below the Python API the tracer sees (an op's own ``.item()``, as
+    ``torch.where(cond)`` or Longformer's chunking make) becomes a guard on that ATen op, with the
+    value ``values_of`` finds for it.
     """
     graph = gm.graph
     pending: list[Node] = []
+    unmarked: list[Node] = []
+    for node in graph.nodes:
+        if _is_data_read(node):
+            pending.append(node)
+        elif node.op == "call_function" and node.target is _VALUE_READ:
+            pending.clear()
+        elif pending and node.op == "call_function":
+            unmarked += pending
+            pending.clear()
+    unmarked += pending
+    observed = values_of(unmarked) if unmarked else {}
+    for node in unmarked:
+        with graph.inserting_before(node):
+            guard = graph.call_function(guard_value, ("op", [node.target, *node.args], observed[node], _line(node)))
+        guard.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
+        if not node.users:
+            graph.erase_node(node)
     for node in list(graph.nodes):
         if _is_data_read(node):
             pending.append(node)
@@ -261,10 +281,34 @@ def _guard_reads(gm: GraphModule, reads: list[_Read]) -> None:
                 if not done.users:
                     graph.erase_node(done)
             pending.clear()
-        elif pending and node.op == "call_function":
-            raise _unguarded(pending[0])
-    if pending:
-        raise _unguarded(pending[0])
+        else:
+            pending.clear()
+
+
+def _run_for_values(gm: GraphModule, flat: list[Any], rng: torch.Tensor, model: nn.Module, device_type: str, dtype: torch.dtype) -> Callable[[list[Node]], dict[Node, Any]]:
+    """What ``_guard_reads`` asks for: the value each of some nodes had, from the graph run once more
+    on the example from the trace's random state (its changes to the model put back)."""
+    from graphamp.probe import _state_restored
+
+    def values_of(nodes: list[Node]) -> dict[Node, Any]:
+        wanted, found = set(nodes), {}
+
+        class Recording(torch.fx.Interpreter):
+            def run_node(self, n: Node) -> Any:
+                out = super().run_node(n)
+                if n in wanted:
+                    found[n] = out
+                return out
+
+        try:
+            with _state_restored(model), ambient_autocast(device_type, dtype), torch.no_grad():
+                torch.set_rng_state(rng)
+                Recording(gm).run(*flat)
+        except Exception as e:
+            raise _unguarded(nodes[0]) from e
+        return found
+
+    return values_of
 
 
 def _unguarded(node: Node) -> CaptureError:
