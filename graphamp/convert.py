@@ -117,7 +117,14 @@ def convert(
         if not needs_graph_breaks(e):
             raise
         refused = e
-        amp = dynamo_fallback(model, args, kwargs, spec, e)
+        try:
+            amp = dynamo_fallback(model, args, kwargs, spec, e)
+        except CaptureError as failed:  # dynamo cannot run it either: the capture on values may
+            spec = dataclasses.replace(spec, capture="values")
+            try:
+                amp = _convert(model, args, kwargs, spec)
+            except CaptureError:
+                raise failed from None
     if on_drift != "off" and applies(spec, model, args, kwargs):
         try:
             amp.meta[SELF_CHECK_META] = checker_for(amp)(amp, model, args, kwargs, spec, on_drift=on_drift)
@@ -144,7 +151,8 @@ def _exact_again(
     if spec.mode != "exact":
         raise drift
     tries = [] if refused is not None else [lambda: _all_ones_masks_dropped(model, args, kwargs, spec, drift)]
-    tries.append(lambda: _checked(_convert(model, args, kwargs, dataclasses.replace(spec, capture="values")), model, args, kwargs, spec))
+    if spec.capture != "values":
+        tries.append(lambda: _checked(_convert(model, args, kwargs, dataclasses.replace(spec, capture="values")), model, args, kwargs, spec))
     for attempt in tries:
         try:
             amp = attempt()

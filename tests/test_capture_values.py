@@ -245,3 +245,31 @@ def test_guard_value_compares_as_a_branch_would() -> None:
         guard_value("int", [torch.tensor(3)], 3.0)  # another type is another value to Python code
     with pytest.raises(InputValueError, match="output size"):
         guard_size(torch.zeros(3, 2), [2, 2])
+
+
+def test_where_dynamo_cannot_run_the_model_either_convert_captures_it_on_values(monkeypatch) -> None:
+    # I-BERT in training: torch.export refuses its value branch and dynamo stops on a data-dependent
+    # output (quant_modules.py); the capture on values runs eager's program.
+    import sys
+
+    from graphamp.errors import CaptureError
+
+    convert_module = sys.modules["graphamp.convert"]  # the package exports the function of that name
+
+    def dynamo_fails(model, args, kwargs, spec, refused):
+        raise CaptureError("torch.compile with graph breaks failed too")
+
+    monkeypatch.setattr(convert_module, "dynamo_fallback", dynamo_fails)
+    model = BranchOnSum().train()
+    x = 10 * torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)
+    assert amp.graphamp_info.capture == "values"
+    assert_exact(model, amp, (x,), {}, torch.bfloat16)
+    assert_exact(model, amp, (-x,), {}, torch.bfloat16)
+
+
+def test_what_neither_capture_can_run_keeps_dynamos_error(monkeypatch) -> None:
+    from test_capture_fallback import FailsOnTheExample
+
+    with pytest.raises(graphamp.CaptureError, match="torch.compile with graph breaks failed too"):
+        graphamp.convert(FailsOnTheExample(), (torch.ones(3),))
