@@ -482,6 +482,38 @@ def read_results(path: Path) -> tuple[dict[str, Any] | None, dict[str, dict[str,
     return head, records
 
 
+def merge_results(out: Path, newer: Path) -> int:
+    """Update ``out`` with a re-run's rows (``newer``): each check the re-run made replaces that check
+    of the model's row, which records the re-run (date, commit, checks) under ``rerun``. Returns how
+    many rows changed. Rows of models the re-run could not build or run stay as they were."""
+    head, records = read_results(out)
+    new_head, new_records = read_results(newer)
+    stamp = {"date": (new_head or {}).get("date"), "commit": (new_head or {}).get("graphamp_commit")}
+    changed = 0
+    for model, row in new_records.items():
+        old = records.get(model)
+        if row.get("eager", {}).get("status") != "ok" or row.get("status") != "done":
+            continue
+        if old is None:
+            records[model] = row
+            changed += 1
+            continue
+        merged = dict(old)
+        merged["checks"] = {**old.get("checks", {}), **row.get("checks", {})}
+        merged["requested"] = sorted(set(old.get("requested", CHECKS)) | set(row.get("requested", [])), key=CHECKS.index)
+        if set(merged["requested"]) <= set(merged["checks"]):  # every check has a result now
+            merged["status"] = "done"
+            merged.pop("timeout_in", None)
+            merged.pop("crash_in", None)
+        merged["rerun"] = [*old.get("rerun", []), {**stamp, "checks": sorted(row.get("checks", {}))}]
+        records[model] = merged
+        changed += 1
+    lines = [json.dumps(head)] if head else []
+    lines += [json.dumps(r) for r in records.values()]
+    out.write_text("\n".join(lines) + "\n")
+    return changed
+
+
 def _worker_command(name: str, checks: tuple[str, ...], result: Path, threads: int) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--checks", ",".join(checks), "--result", str(result), "--threads", str(threads)]
 
@@ -708,6 +740,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / jobs)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per model (default %(default)s)")
     p.add_argument("--summary", metavar="FILE", help="only print the summary of a results file")
+    p.add_argument("--merge", metavar="FILE", help="update --out with a re-run's results file (per check), then exit")
     p.add_argument("--markdown", action="store_true", help="the summary table as markdown")
     p.add_argument("--list", action="store_true", help="print the selected model names and exit")
     p.add_argument("--ci-sample", action="store_true", help="the CI sample (census_sample.py), each model with its own checks")
@@ -720,6 +753,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown checks {sorted(bad)}; choose from {','.join(CHECKS)}")
     if args.worker:
         _worker(args)
+    elif args.merge:
+        print(f"census: {merge_results(Path(args.out), Path(args.merge))} rows of {args.out} updated from {args.merge}")
     elif args.summary:
         print_summary(Path(args.summary), markdown=args.markdown)
     elif args.in_process:

@@ -124,7 +124,7 @@ def convert(
             try:
                 amp = _convert(model, args, kwargs, spec)
             except CaptureError:
-                raise failed from None
+                raise failed  # noqa: B904 (its own cause, the error dynamo met, is the one to show)
     if on_drift != "off" and applies(spec, model, args, kwargs):
         try:
             amp.meta[SELF_CHECK_META] = checker_for(amp)(amp, model, args, kwargs, spec, on_drift=on_drift)

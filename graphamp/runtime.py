@@ -623,7 +623,7 @@ def restored_on_refusal(root: nn.Module, buffers: Sequence[str], rng: bool) -> I
     >>> bn = nn.BatchNorm1d(2)
     >>> try:
     ...     with restored_on_refusal(bn, ["running_mean"], True):
-    ...         bn.running_mean.add_(1.0)
+    ...         _ = bn.running_mean.add_(1.0)
     ...         raise InputValueError("refused")
     ... except InputValueError:
     ...     pass

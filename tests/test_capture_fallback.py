@@ -190,15 +190,28 @@ def test_an_unknown_output_type_is_named_with_the_way_out(capfd):
     assert capfd.readouterr().out == ""
 
 
-def test_a_decoder_returning_its_cache_says_use_cache_false():
+def test_a_decoder_returning_its_cache_returns_it_as_eager_does():
+    # transformers' own pytree registration of its cache classes (its exporter's) lets the graph
+    # return the cache; the module's cache holds eager's tensors and the model takes it back.
     transformers = pytest.importorskip("transformers")
+    from torch.utils import _pytree as pytree
+
     config = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
     )
     model = transformers.LlamaForCausalLM(config).eval()
-    with pytest.raises(graphamp.CaptureError, match=r"returns a DynamicCache .*Way out: pass use_cache=False") as info:
-        graphamp.convert(model, (torch.randint(0, 64, (2, 6)),))
-    assert "cannot vary" not in str(info.value)
+    ids = torch.randint(0, 64, (2, 6))
+    amp = graphamp.convert(model, (ids,), dtype=torch.bfloat16)
+    out = amp(ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(ids)
+    assert type(out.past_key_values) is type(ref.past_key_values) and out.past_key_values.get_seq_length() == 6
+    assert torch.equal(out.logits, ref.logits)
+    got, want = pytree.tree_leaves(out.past_key_values), pytree.tree_leaves(ref.past_key_values)
+    assert len(got) == len(want) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        again = model(ids[:, :1], past_key_values=out.past_key_values)  # the model takes the cache back
+    assert again.logits.shape == (2, 1, 64) and out.past_key_values.get_seq_length() == 7
 
 
 def test_swin_takes_batch_one_after_batch_two():

@@ -114,18 +114,21 @@ class MaskDroppedWhenAllOnes(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mask_eager_drops_by_value_is_detected(dtype):
+def test_mask_eager_drops_by_value_is_detected_and_converted_on_values(dtype):
     torch.manual_seed(0)
     model = MaskDroppedWhenAllOnes()
     args = (torch.randn(2, 5, 16), torch.ones(2, 5, dtype=torch.long))
     with torch.autocast("cpu", dtype=DTYPES[dtype]):
         assert model(*args).dtype == DTYPES[dtype]  # the construct: eager never adds the fp32 mask here
-    with pytest.raises(graphamp.PolicyDriftError, match="comes back torch.float32"):
-        graphamp.convert(model, args, dtype=DTYPES[dtype])
+    with pytest.warns(graphamp.PolicyDriftWarning, match="comes back torch.float32"):  # export's program
+        graphamp.convert(model, args, dtype=DTYPES[dtype], self_check="warn")
+    amp = graphamp.convert(model, args, dtype=DTYPES[dtype])  # raising, convert captures it on values
+    assert amp.graphamp_info.capture == "values"
+    assert_exact(model, amp, args, {}, DTYPES[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_bridgetower_all_ones_mask_is_detected(dtype):
+def test_bridgetower_all_ones_mask_is_detected_and_converted_on_values(dtype):
     config_cls, model_cls = _transformers("BridgeTowerConfig"), _transformers("BridgeTowerModel")
     torch.manual_seed(0)
     config = config_cls(
@@ -136,11 +139,14 @@ def test_bridgetower_all_ones_mask_is_detected(dtype):
     )
     model = model_cls(config).eval()
     kwargs = dict(input_ids=torch.randint(0, 100, (2, 7)), pixel_values=torch.randn(2, 3, 32, 32))
-    with pytest.raises(graphamp.PolicyDriftError, match=r"attentions.*comes back torch.float32"):
-        graphamp.convert(model, (), kwargs, dtype=DTYPES[dtype])
+    with pytest.warns(graphamp.PolicyDriftWarning, match=r"attentions.*comes back torch.float32"):
+        graphamp.convert(model, (), kwargs, dtype=DTYPES[dtype], self_check="warn")
+    amp = graphamp.convert(model, (), kwargs, dtype=DTYPES[dtype])
+    assert amp.graphamp_info.capture == "values"
+    assert_exact(model, amp, (), kwargs, DTYPES[dtype])
 
 
-def test_paligemma_skipped_causal_mask_is_detected():
+def test_paligemma_skipped_causal_mask_is_detected_and_converted_on_values():
     config_cls = _transformers("PaliGemmaConfig")
     model_cls = _transformers("PaliGemmaForConditionalGeneration")
     torch.manual_seed(0)
@@ -154,8 +160,11 @@ def test_paligemma_skipped_causal_mask_is_detected():
     model = model_cls(config).eval()
     ids = torch.cat([torch.full((2, 4), 100), torch.randint(0, 99, (2, 5))], 1)
     kwargs = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 32, 32), use_cache=False)
-    with pytest.raises(graphamp.PolicyDriftError, match="differs"):
-        graphamp.convert(model, (), kwargs, dtype=torch.bfloat16)
+    with pytest.warns(graphamp.PolicyDriftWarning, match="differs"):
+        graphamp.convert(model, (), kwargs, dtype=torch.bfloat16, self_check="warn")
+    amp = graphamp.convert(model, (), kwargs, dtype=torch.bfloat16)
+    assert amp.graphamp_info.capture == "values"
+    assert_exact(model, amp, (), kwargs, torch.bfloat16)
 
 
 # A fake kernel narrower than the CPU kernel: torch 2.13's meta for aten::_grouped_mm admits only bf16

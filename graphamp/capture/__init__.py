@@ -23,17 +23,20 @@ to ``torch.compile(backend="graphamp")`` where torch.export refuses the program 
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from graphamp.capture.export import _describe, _dynamic_shapes, _export, _is_retryable, _model_conditions, _model_ranges
+from graphamp.capture.export import _describe, _dynamic_shapes, _export, _is_retryable, _model_conditions, _model_ranges, _unregistered_output
 from graphamp.capture.functions import _bind_kept_functions
 from graphamp.capture.torchscript import script_graph
 from graphamp.errors import BannedOpError, CaptureError, EagerPathWarning, GraphampError, PromoteTypeError
 from graphamp.spec import ambient_autocast
+
+_log = logging.getLogger("graphamp")
 
 __all__ = ["CAPTURED_STATIC", "SIZE_CONDITIONS", "capture", "ambient_autocast", "script_graph"]
 
@@ -65,7 +68,12 @@ def capture(
         # tensor the model computes without grad (a position bias) requires grad at run time, which
         # can change eager's kernel (CPU SDPA takes its math path for a mask that requires grad).
         with torch.enable_grad() if grads else contextlib.nullcontext():
-            ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
+            try:
+                ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
+            except Exception as e:
+                if not _cache_pytrees_registered(model, e):
+                    raise
+                ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
     except GraphampError:
         raise
     except Exception as e:
@@ -97,6 +105,22 @@ def capture(
     if keeper.kept:
         _bind_kept_functions(gm, keeper.kept)
     return gm
+
+
+def _cache_pytrees_registered(model: nn.Module, e: BaseException) -> bool:
+    """Whether ``e`` is torch.export refusing a Hugging Face cache in the outputs and transformers'
+    own pytree registration of its cache classes (the one its exporter uses) is now done, so that
+    the converted module returns the cache as eager does. False where transformers has none."""
+    qualified = _unregistered_output(str(e))
+    if qualified is None or not qualified.startswith("transformers.") or "cache" not in qualified.lower():
+        return False
+    try:
+        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+    except ImportError:
+        return False
+    register_cache_pytrees_for_model(model)
+    _log.info("graphamp: registered transformers' cache classes as pytree nodes, to return %s", qualified)
+    return True
 
 
 # gm.meta key: True when the graph was captured with every size static (the model's code could not

@@ -1,0 +1,42 @@
+"""benchmarks/census.py's own bookkeeping: merging a re-run into the population's results."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import census  # noqa: E402
+
+
+def _write(path: Path, head: dict, rows: list[dict]) -> None:
+    path.write_text("\n".join(json.dumps(r) for r in [{"header": True, **head}, *rows]) + "\n")
+
+
+def test_a_rerun_replaces_the_checks_it_made_and_records_itself(tmp_path: Path) -> None:
+    ok = {"status": "ok", "attempt": 0}
+    out, rerun = tmp_path / "population.jsonl", tmp_path / "rerun.jsonl"
+    _write(out, {"date": "d0", "graphamp_commit": "aaa"}, [
+        {"model": "hf/a", "status": "done", "eager": ok, "requested": list(census.CHECKS),
+         "checks": {"convert_bf16": {"status": "error", "reported": True}, "backend": {"status": "bitwise"}}},
+        {"model": "hf/b", "status": "timeout", "timeout_in": "grads_bf16", "eager": ok, "requested": ["convert_bf16", "grads_bf16"],
+         "checks": {"convert_bf16": {"status": "bitwise"}}},
+        {"model": "hf/c", "status": "done", "eager": ok, "requested": ["convert_bf16"], "checks": {"convert_bf16": {"status": "bitwise"}}},
+    ])
+    _write(rerun, {"date": "d1", "graphamp_commit": "bbb"}, [
+        {"model": "hf/a", "status": "done", "eager": ok, "requested": ["convert_bf16"], "checks": {"convert_bf16": {"status": "bitwise"}}},
+        {"model": "hf/b", "status": "done", "eager": ok, "requested": ["grads_bf16"], "checks": {"grads_bf16": {"status": "bitwise"}}},
+        {"model": "hf/c", "status": "timeout", "eager": ok, "requested": ["convert_bf16"], "checks": {}},
+    ])
+    assert census.merge_results(out, rerun) == 2
+    head, rows = census.read_results(out)
+    assert head["graphamp_commit"] == "aaa"
+    a, b, c = rows["hf/a"], rows["hf/b"], rows["hf/c"]
+    assert a["checks"] == {"convert_bf16": {"status": "bitwise"}, "backend": {"status": "bitwise"}}
+    assert a["rerun"] == [{"date": "d1", "commit": "bbb", "checks": ["convert_bf16"]}]
+    assert b["status"] == "done" and "timeout_in" not in b and b["checks"]["grads_bf16"]["status"] == "bitwise"
+    assert c["checks"] == {"convert_bf16": {"status": "bitwise"}} and "rerun" not in c  # an unfinished re-run changes nothing
+    table = census.summarize(rows)["table"]
+    assert table["convert_bf16"]["bitwise"] == 3 and table["grads_bf16"]["bitwise"] == 1
