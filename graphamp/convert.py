@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import math
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -13,11 +14,11 @@ from torch import nn
 
 from graphamp import hardware
 from graphamp.capture import capture
-from graphamp.capture.values import capture_by_values
+from graphamp.capture.values import capture_by_values, guard_eager_reads
 from graphamp.capture.dynamo import dynamo_fallback, needs_graph_breaks
 from graphamp.config import Config
 from graphamp.emit import ALL_ONES_AS_NONE, AmpModule, emit, is_all_ones
-from graphamp.errors import CaptureError, PolicyDriftError
+from graphamp.errors import CaptureError, EagerPathWarning, PolicyDriftError
 from graphamp.passes import build_pipeline, run_passes
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.passes.autotune import PLAN_META, checks_accuracy
@@ -296,6 +297,22 @@ def _max_error(out: Any, ref: Any) -> float:
     return worst
 
 
+def _guard_eager_reads(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, grads: bool) -> None:
+    """Guards in ``gm`` on the tensor values eager reads to choose its program (see
+    ``capture.values.guard_eager_reads``); a warning for those no guard can check."""
+    unguarded = guard_eager_reads(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
+    if unguarded:
+        warnings.warn(
+            f"{type(model).__name__}'s eager code reads tensor values to choose its program ({', '.join(unguarded[:3])}"
+            f"{' ...' if len(unguarded) > 3 else ''}), which the graph torch.export captured does not read: it follows "
+            "the example's path there, and graphamp cannot check as it runs that a call takes the same path. Inputs "
+            "whose values take another path in eager may differ from eager autocast. Way out: graphamp.verify on "
+            "such inputs, or convert with an example that takes their path.",
+            EagerPathWarning,
+            stacklevel=4,
+        )
+
+
 def _rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> torch.fx.GraphModule:
     """Capture, observe eager and run the passes: the rewritten graph, before emit (graphamp.export
     hands it to torch.export instead)."""
@@ -305,6 +322,8 @@ def _rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, chec
             gm = capture_by_values(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
         else:
             gm = capture(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
+            if spec.target == "module":
+                _guard_eager_reads(gm, model, args, kwargs, spec, grads)
         observe_eager(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype)
         run_passes(gm, spec, build_pipeline(spec, check=check))
         return gm

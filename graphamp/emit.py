@@ -25,7 +25,7 @@ from torch.fx.graph_module import _forward_from_src
 
 from graphamp.capture import SIZE_CONDITIONS
 from graphamp.config import Config
-from graphamp.errors import InputMismatchError, InputShapeError, InputStructureError, InputValueError, ModelChangedError, ModelMethodError
+from graphamp.errors import InputMismatchError, InputShapeError, InputStructureError, InputValueError, PolicyDriftError, ModelChangedError, ModelMethodError
 from graphamp.spec import AmpSpec, autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes.fuse_encoder_layers import FUSED_WITHOUT_GRAD
@@ -277,9 +277,17 @@ class AmpModule(GraphModule):
                 # checked as an inference conversion is: forward only, under no_grad.
                 ok = checked["ok"] if isinstance(checked, dict) else checked.ok
                 check_spec = dataclasses.replace(spec, inference=True) if spec.grad_free else spec
-                variant.meta[SELF_CHECK_META] = checker_for(variant)(
-                    variant, model, args, kwargs, check_spec, on_drift="raise" if ok else "warn"
-                )
+                try:
+                    variant.meta[SELF_CHECK_META] = checker_for(variant)(
+                        variant, model, args, kwargs, check_spec, on_drift="raise" if ok else "warn"
+                    )
+                except PolicyDriftError as drift:
+                    if spec.grad_free:
+                        raise
+                    # As convert: all-ones masks as None, then the capture on values, if exact.
+                    from graphamp.convert import _exact_again
+
+                    variant = _exact_again(model, args, kwargs, spec, drift, None)
         return variant
 
     def _check_parameters(self) -> None:

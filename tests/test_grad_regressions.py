@@ -126,17 +126,40 @@ def test_zero_bias_skipped_in_eager_really_differs(dtype: torch.dtype) -> None:
     assert _grad_differences(amp, model, args, kwargs, dtype)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limit: converted on a padded example, the graph adds the bias on every call, while "
-    "eager skips it for an unpadded batch (the model reads the mask's values); the self-check sees "
-    "only the example",
-)
 def test_padded_example_then_unpadded_batch() -> None:
+    # Converted on a padded example, the graph adds the bias; eager skips it for an unpadded batch
+    # by reading the mask's values. The graph checks that read (a guard from the capture on values,
+    # graphamp/capture/values.py: guard_eager_reads), so the unpadded batch gets its own graph.
+    from graphamp.emit import _VARIANTS
+    from graphamp.runtime import guard_value
+
     model = MaskedEncoder(skip_bias_without_padding=True).train()
     amp = graphamp.convert(model, *_inputs(padded=True), dtype=torch.bfloat16)
+    assert amp.graphamp_info.capture == "export" and any(n.target is guard_value for n in amp.graph.nodes)
     args, kwargs = _inputs(padded=False)
     assert _grad_differences(amp, model, args, kwargs, torch.bfloat16) == []
+    assert len(amp.__dict__[_VARIANTS]) == 1
+    padded, _ = _inputs(padded=True)
+    assert _grad_differences(amp, model, padded, {}, torch.bfloat16) == []
+    assert len(amp.__dict__[_VARIANTS]) == 1
+
+
+def test_a_padded_example_takes_other_sizes_with_its_guard() -> None:
+    # The guard reads the mask whole (no size baked in), so the export graph keeps its symbolic sizes.
+    from graphamp.emit import _VARIANTS
+
+    model = MaskedEncoder(skip_bias_without_padding=True).eval()
+    amp = graphamp.convert(model, *_inputs(padded=True), dtype=torch.bfloat16)
+    (ids, mask), _ = _inputs(padded=True)
+    assert_same_outputs(*_both(amp, model, (ids[:1], mask[:1])))
+    assert not amp.__dict__.get(_VARIANTS)
+
+
+def _both(amp: nn.Module, model: nn.Module, args: tuple) -> tuple:
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(*args)
+    with torch.no_grad():
+        return amp(*args), want
 
 
 def _roformer(*, masked_lm: bool) -> nn.Module:

@@ -443,3 +443,100 @@ def _one_fake_mode(gm: GraphModule) -> None:
     for node in gm.graph.nodes:
         if "val" in node.meta:
             node.meta["val"] = pytree.tree_map(rehome, node.meta["val"])
+
+
+# Ops a guard's reads may go through and still hold for inputs of any size: no size is baked into
+# them (pointwise ops, whole-tensor reductions, dtype and device conversions).
+_SIZE_FREE = frozenset({
+    "aten::all", "aten::any", "aten::sum", "aten::max", "aten::min", "aten::to", "aten::_to_copy", "aten::clone",
+    "aten::detach", "aten::alias", "aten::lift_fresh_copy", "aten::isfinite", "aten::isnan", "aten::isinf",
+})
+_SIZE_FREE_OVERLOADS = frozenset({"default", "dim", "dtype", "device", "dtype_layout", "other", "Scalar", "Tensor"})
+
+
+def _size_free(node: Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or _changes_state(node):
+        return False
+    if any(isinstance(a, (list, tuple)) for a in node.args):
+        return False
+    return target.name() in _SIZE_FREE or (torch.Tag.pointwise in target.tags and target._overloadname in _SIZE_FREE_OVERLOADS)
+
+
+def eager_reads(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> list[_Read]:
+    """The tensor values the model's Python reads when eager autocast runs it on the example (one
+    forward without grad; the model's state put back)."""
+    from graphamp.probe import _state_restored
+
+    reads = _ValueReads()
+    with _state_restored(model), ambient_autocast(device_type, dtype), torch.no_grad(), reads:
+        model(*args, **kwargs)
+    return reads.reads
+
+
+def guard_eager_reads(
+    gm: GraphModule, model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype, grads: bool,
+) -> list[str]:
+    """Give a graph torch.export captured the guards the capture on values finds, where they hold
+    for any size: eager reads those values to choose its program (transformers' ``mask.all()``), the
+    trace did not, so the graph is eager's program only for inputs whose reads give the example's
+    values. A failing guard makes the module convert again for those inputs. Returns where eager
+    reads values that no such guard can check (the caller warns)."""
+    from graphamp.passes.graph_edit import fake_mode_of, recompute_val
+
+    if not eager_reads(model, args, kwargs, device_type=device_type, dtype=dtype):
+        return []
+    try:
+        traced = capture_by_values(model, args, kwargs, device_type=device_type, dtype=dtype, grads=grads)
+    except CaptureError as e:
+        return [f"(the capture on values failed: {str(e).splitlines()[0][:160]})"]
+    ours, theirs = gm.graph.find_nodes(op="placeholder"), traced.graph.find_nodes(op="placeholder")
+    guards = [n for n in traced.graph.nodes if n.target in (guard_value, guard_size)]
+    if len(ours) != len(theirs):
+        return [_where(g) for g in guards]
+    graph, fake_mode = gm.graph, fake_mode_of(gm)
+    anchor = ours[-1].next if ours else next(iter(graph.nodes))  # right after the inputs
+    order = {n: i for i, n in enumerate(traced.graph.nodes)}
+    env: dict[Node, Node] = dict(zip(theirs, ours))
+    unguarded = []
+    for guard in guards:
+        cone = sorted(_ancestors(guard), key=order.__getitem__)
+        if guard.target is guard_size or not all(n.op in ("placeholder", "get_attr") or _size_free(n) for n in cone):
+            unguarded.append(_where(guard))
+            continue
+        for node in cone:
+            if node in env:
+                continue
+            if node.op == "get_attr":
+                env[node] = _attribute(gm, traced, node.target, anchor)
+                continue
+            with graph.inserting_before(anchor):
+                env[node] = graph.node_copy(node, env.__getitem__)
+            env[node].meta["val"] = recompute_val(env[node], fake_mode)
+        with graph.inserting_before(anchor):
+            graph.node_copy(guard, env.__getitem__)
+    gm.recompile()
+    return unguarded
+
+
+def _attribute(gm: GraphModule, traced: GraphModule, target: str, anchor: Node) -> Node:
+    """A get_attr in ``gm`` for ``traced``'s attribute: the model's own, or a constant copied over."""
+    from graphamp.passes.graph_edit import fake_mode_of
+
+    value = operator.attrgetter(target)(traced)
+    try:
+        mine = operator.attrgetter(target)(gm)
+    except AttributeError:
+        mine = None
+    if mine is not value:  # a constant the model's code made (torch.tensor(...)): gm holds it too
+        target = f"_graphamp_read_constant{len([n for n in dir(gm) if n.startswith('_graphamp_read_constant')])}"
+        setattr(gm, target, value)
+    with gm.graph.inserting_before(anchor):
+        node = gm.graph.create_node("get_attr", target)
+    if isinstance(value, torch.Tensor):
+        node.meta["val"] = fake_mode_of(gm).from_tensor(value, static_shapes=True)
+    return node
+
+
+def _where(guard: Node) -> str:
+    return guard.args[3] if guard.target is guard_value else guard.args[2]
