@@ -273,3 +273,52 @@ def test_what_neither_capture_can_run_keeps_dynamos_error(monkeypatch) -> None:
 
     with pytest.raises(graphamp.CaptureError, match="torch.compile with graph breaks failed too"):
         graphamp.convert(FailsOnTheExample(), (torch.ones(3),))
+
+
+class LogsOnPadding(nn.Module):
+    """Reads values only to log (transformers' padding warning): no program depends on the read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch._subclasses.FakeTensor) and (ids == 0).any():  # skipped when traced
+            import logging
+
+            logging.getLogger("test").debug("padding without a mask")
+        return self.emb(ids).softmax(-1)
+
+
+class BranchesOnAWindow(nn.Module):
+    """Reads values through a slice (a size baked into the read): no guard can check it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if isinstance(mask, torch._subclasses.FakeTensor) or not bool(mask[:, -2:].all()):
+            h = h + (1.0 - mask[..., None].float()) * -1e4
+        return h.softmax(-1)
+
+
+def test_a_read_that_only_logs_gets_no_guard_and_no_warning() -> None:
+    import warnings
+
+    model = LogsOnPadding()
+    for ids in (torch.tensor([[1, 2, 0]]), torch.tensor([[1, 2, 3]])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", graphamp.EagerPathWarning)
+            amp = graphamp.convert(model, (ids,), dtype=torch.bfloat16)
+        assert not _guards(amp)
+        assert_exact(model, amp, (torch.tensor([[0, 5, 0]]),), {}, torch.bfloat16)
+        assert not amp.__dict__.get(_VARIANTS)
+
+
+def test_a_read_no_guard_can_check_is_warned() -> None:
+    model = BranchesOnAWindow()
+    args = (torch.randn(2, 4, 8), torch.ones(2, 4, dtype=torch.long))
+    with pytest.warns(graphamp.EagerPathWarning, match=r"reads tensor values to choose its program \(test_capture_values.py:\d+\)"):
+        graphamp.convert(model, args, dtype=torch.bfloat16, self_check="off")

@@ -77,9 +77,10 @@ class _Read:
 class _ValueReads(TorchFunctionMode):
     """Records each read of a tensor value by the model's code, with a marker node in the graph."""
 
-    def __init__(self) -> None:
+    def __init__(self, flip: int | None = None) -> None:
         super().__init__()
         self.reads: list[_Read] = []
+        self.flip = flip  # the read whose (bool) value the model's code is told the opposite of
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -90,10 +91,12 @@ class _ValueReads(TorchFunctionMode):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if not tensors:
             return out
-        template = tuple(Slot(tensors.index(a)) if isinstance(a, torch.Tensor) else a for a in args)
+        template = tuple(Slot(next(i for i, t in enumerate(tensors) if t is a)) if isinstance(a, torch.Tensor) else a for a in args)
         observed = out.tolist() if name == "numpy" else out
         self.reads.append(_Read(name, template, observed, _model_line()))
         _value_read(tensors, len(self.reads) - 1)
+        if self.flip == len(self.reads) - 1 and isinstance(out, bool):
+            return not out
         return out
 
 
@@ -109,6 +112,7 @@ def _model_line() -> str:
 
 def capture_by_values(
     model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype, grads: bool = True,
+    flip: int | None = None,
 ) -> GraphModule:
     """The graph of eager's program on this example, traced on its values under autocast(device_type,
     dtype), with guards on what it follows; in the form ``capture`` returns (parameters and buffers as
@@ -120,7 +124,7 @@ def capture_by_values(
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
     flat, in_spec = pytree.tree_flatten((args, kwargs))
-    reads = _ValueReads()
+    reads = _ValueReads(flip)
     out_spec: list[Any] = []
 
     def run(state: dict[str, torch.Tensor], flat: list[Any]) -> list[Any]:
@@ -232,6 +236,7 @@ def _argument_names(model: nn.Module, flat: list[Any], in_spec: Any) -> list[str
 
 
 _DATA_DEPENDENT = torch.Tag.data_dependent_output
+_READ_KEY = "graphamp_read"  # a guard node's meta: which of the model's reads it checks
 
 
 def _is_data_read(node: Node) -> bool:
@@ -276,6 +281,7 @@ def _guard_reads(gm: GraphModule, reads: list[_Read], values_of: Callable[[list[
             with graph.inserting_before(node):
                 guard = graph.call_function(guard_value, (read.name, list(values), read.observed, read.where))
             guard.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
+            guard.meta[_READ_KEY] = key
             graph.erase_node(node)
             for done in pending:
                 if not done.users:
@@ -460,7 +466,7 @@ def _size_free(node: Node) -> bool:
         return False
     if any(isinstance(a, (list, tuple)) for a in node.args):
         return False
-    return target.name() in _SIZE_FREE or (torch.Tag.pointwise in target.tags and target._overloadname in _SIZE_FREE_OVERLOADS)
+    return target._schema.name in _SIZE_FREE or (torch.Tag.pointwise in target.tags and target._overloadname in _SIZE_FREE_OVERLOADS)
 
 
 def eager_reads(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> list[_Read]:
@@ -494,6 +500,24 @@ def guard_eager_reads(
     guards = [n for n in traced.graph.nodes if n.target in (guard_value, guard_size)]
     if len(ours) != len(theirs):
         return [_where(g) for g in guards]
+    program = _program(traced)
+    decided: dict[str, bool] = {}
+
+    def matters(guard: Node) -> bool:
+        """Whether the model's code runs another program when this read (a bool) comes out the other
+        way: traced again with it flipped (once per line of code). A read only logging looks at
+        (transformers' padding warning) changes nothing and needs no guard."""
+        key, where = guard.meta.get(_READ_KEY), _where(guard)
+        if key is None or not isinstance(guard.args[2], bool):
+            return True
+        if where not in decided:
+            try:
+                flipped = capture_by_values(model, args, kwargs, device_type=device_type, dtype=dtype, grads=grads, flip=key)
+                decided[where] = _program(flipped) != program
+            except Exception:
+                decided[where] = True
+        return decided[where]
+
     graph, fake_mode = gm.graph, fake_mode_of(gm)
     anchor = ours[-1].next if ours else next(iter(graph.nodes))  # right after the inputs
     order = {n: i for i, n in enumerate(traced.graph.nodes)}
@@ -501,6 +525,13 @@ def guard_eager_reads(
     unguarded = []
     for guard in guards:
         cone = sorted(_ancestors(guard), key=order.__getitem__)
+        if not any(n.op == "placeholder" for n in cone):
+            # No input's value reaches it: a read of sizes and the model's own tensors (Llama's
+            # packed-sequence check on the position ids it builds with arange). Not checked per call:
+            # the graph keeps the traced path there for every size (README, Known limits).
+            continue
+        if not matters(guard):
+            continue
         if guard.target is guard_size or not all(n.op in ("placeholder", "get_attr") or _size_free(n) for n in cone):
             unguarded.append(_where(guard))
             continue
@@ -517,6 +548,16 @@ def guard_eager_reads(
             graph.node_copy(guard, env.__getitem__)
     gm.recompile()
     return unguarded
+
+
+def _program(gm: GraphModule) -> list[tuple]:
+    """The ops a graph runs, with their arguments (nodes by position): guards left out."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return [
+        (n.target, str(torch.fx.node.map_arg((n.args, n.kwargs), lambda a: index[a])))
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target not in (guard_value, guard_size)
+    ]
 
 
 def _attribute(gm: GraphModule, traced: GraphModule, target: str, anchor: Node) -> Node:
