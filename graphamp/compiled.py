@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from graphamp.emit import AmpModule
-from graphamp.errors import GraphampError, InputMismatchError, InputShapeError
+from graphamp.errors import GraphampError, InputMismatchError, InputShapeError, InputValueError
 from graphamp.spec import autocast_off
 
 __all__ = [
@@ -188,6 +188,17 @@ class CompiledAmpModule(nn.Module):
         except InputShapeError as e:  # another shape class: the uncompiled module converts for it
             self.__dict__.setdefault("_refused_shapes", set()).add(_shapes_of(args, kwargs))
             self._warn_fallback(e)
+            return self.amp(*args, **kwargs)
+        except InputValueError as e:  # values the model branches on another way: converted again, uncompiled
+            if not self.__dict__.get("_value_warned"):
+                self.__dict__["_value_warned"] = True
+                warnings.warn(
+                    f"graphamp: these inputs take another path through the model's code than the example ({_first_line(e)}); "
+                    "they run in the uncompiled module, which converts again for them (exact, slower). Inputs that take "
+                    "the example's path stay compiled.",
+                    CompileFallbackWarning,
+                    stacklevel=2,
+                )
             return self.amp(*args, **kwargs)
         except InputMismatchError:
             raise  # another dtype or structure: the uncompiled module refuses it too

@@ -322,3 +322,14 @@ def test_a_read_no_guard_can_check_is_warned() -> None:
     args = (torch.randn(2, 4, 8), torch.ones(2, 4, dtype=torch.long))
     with pytest.warns(graphamp.EagerPathWarning, match=r"reads tensor values to choose its program \(test_capture_values.py:\d+\)"):
         graphamp.convert(model, args, dtype=torch.bfloat16, self_check="off")
+
+
+def test_a_compiled_module_runs_inputs_that_fail_a_guard_uncompiled_and_exact() -> None:
+    model = MaskedEncoder(skip_bias_without_padding=True).eval()
+    args, _ = _inputs(padded=False)
+    cm = graphamp.convert(model, args, dtype=torch.bfloat16, compile=True)
+    padded, _ = _inputs(padded=True)
+    with pytest.warns(graphamp.CompileFallbackWarning, match="another path"):
+        got = cm(*padded)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(got, model(*padded))

@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.capture.functions import _FunctionKeeper
 from graphamp.errors import CaptureError
+from graphamp.node_info import info
 from graphamp.runtime import RESTORE_ON_REFUSAL, Slot, fill, guard_size, guard_value
 from graphamp.spec import ambient_autocast
 
@@ -269,6 +270,7 @@ def _guard_reads(gm: GraphModule, reads: list[_Read], values_of: Callable[[list[
         with graph.inserting_before(node):
             guard = graph.call_function(guard_value, ("op", [node.target, *node.args], observed[node], _line(node)))
         guard.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
+        _explain_guard(guard)
         if not node.users:
             graph.erase_node(node)
     for node in list(graph.nodes):
@@ -282,6 +284,7 @@ def _guard_reads(gm: GraphModule, reads: list[_Read], values_of: Callable[[list[
                 guard = graph.call_function(guard_value, (read.name, list(values), read.observed, read.where))
             guard.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
             guard.meta[_READ_KEY] = key
+            _explain_guard(guard)
             graph.erase_node(node)
             for done in pending:
                 if not done.users:
@@ -339,7 +342,13 @@ def _guard_sizes(gm: GraphModule) -> None:
                     if src is not node:
                         src.meta["val"] = val
                 with graph.inserting_after(src):
-                    graph.call_function(guard_size, (src, list(val.shape), _line(node)))
+                    _explain_guard(graph.call_function(guard_size, (src, list(val.shape), _line(node))))
+
+
+def _explain_guard(guard: Node) -> None:
+    """The guard's reason, as explain shows it."""
+    what = "a value the model's code reads" if guard.target is guard_value else "a data-dependent size"
+    info(guard).reason = f"guard: {what} ({guard.args[-1] or 'in the model'}) is the example's, else the module converts again"
 
 
 def _line(node: Node) -> str:
