@@ -283,7 +283,8 @@ class LogsOnPadding(nn.Module):
         self.emb = nn.Embedding(10, 8)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if not isinstance(ids, torch._subclasses.FakeTensor) and (ids == 0).any():  # skipped when traced
+        # transformers' padding warning: reads the last and first tokens (a size in the read), skipped when traced
+        if not isinstance(ids, torch._subclasses.FakeTensor) and 0 in ids[:, [-1, 0]]:
             import logging
 
             logging.getLogger("test").debug("padding without a mask")
@@ -304,7 +305,7 @@ class BranchesOnAWindow(nn.Module):
         return h.softmax(-1)
 
 
-def test_a_read_that_only_logs_gets_no_guard_and_no_warning() -> None:
+def test_a_read_no_guard_can_check_that_only_logs_is_not_warned() -> None:
     import warnings
 
     model = LogsOnPadding()

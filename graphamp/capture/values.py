@@ -333,7 +333,10 @@ def _guard_sizes(gm: GraphModule) -> None:
     graph = gm.graph
     for node in list(graph.nodes):
         target = node.target
-        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and torch.Tag.dynamic_output_shape in target.tags:
+        if (
+            node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.dynamic_output_shape in target.tags and not _integer_indexing(node)
+        ):
             for i, val in enumerate(pytree.tree_leaves(node.meta.get("val"))):
                 if not isinstance(val, torch.Tensor):
                     continue
@@ -343,6 +346,15 @@ def _guard_sizes(gm: GraphModule) -> None:
                         src.meta["val"] = val
                 with graph.inserting_after(src):
                     _explain_guard(graph.call_function(guard_size, (src, list(val.shape), _line(node))))
+
+
+def _integer_indexing(node: Node) -> bool:
+    """``aten.index`` with integer indices only: its output size follows the indices' sizes (only a
+    bool mask makes it depend on values)."""
+    if node.target is not torch.ops.aten.index.Tensor:
+        return False
+    indices = [i for i in node.args[1] if i is not None]
+    return all(isinstance(i, Node) and not i.meta["val"].dtype.is_floating_point and i.meta["val"].dtype is not torch.bool for i in indices)
 
 
 def _explain_guard(guard: Node) -> None:
@@ -506,7 +518,8 @@ def guard_eager_reads(
     except CaptureError as e:
         return [f"(the capture on values failed: {str(e).splitlines()[0][:160]})"]
     ours, theirs = gm.graph.find_nodes(op="placeholder"), traced.graph.find_nodes(op="placeholder")
-    guards = [n for n in traced.graph.nodes if n.target in (guard_value, guard_size)]
+    # The reads of eager's Python only: sizes that depend on values are symbolic in export's graph.
+    guards = [n for n in traced.graph.nodes if n.target is guard_value]
     if len(ours) != len(theirs):
         return [_where(g) for g in guards]
     program = _program(traced)
@@ -514,10 +527,12 @@ def guard_eager_reads(
 
     def matters(guard: Node) -> bool:
         """Whether the model's code runs another program when this read (a bool) comes out the other
-        way: traced again with it flipped (once per line of code). A read only logging looks at
-        (transformers' padding warning) changes nothing and needs no guard."""
+        way: traced again with it flipped (once per line of code, for the first few lines). A read
+        only logging looks at (transformers' padding warning) changes nothing: no warning."""
         key, where = guard.meta.get(_READ_KEY), _where(guard)
         if key is None or not isinstance(guard.args[2], bool):
+            return True
+        if where not in decided and len(decided) >= _MAX_FLIPS:
             return True
         if where not in decided:
             try:
@@ -539,10 +554,9 @@ def guard_eager_reads(
             # packed-sequence check on the position ids it builds with arange). Not checked per call:
             # the graph keeps the traced path there for every size (README, Known limits).
             continue
-        if not matters(guard):
-            continue
-        if guard.target is guard_size or not all(n.op in ("placeholder", "get_attr") or _size_free(n) for n in cone):
-            unguarded.append(_where(guard))
+        if not all(n.op in ("placeholder", "get_attr") or _size_free(n) for n in cone):
+            if matters(guard):  # traced again only here: a guard costs nothing to keep where it can
+                unguarded.append(_where(guard))
             continue
         for node in cone:
             if node in env:
@@ -557,6 +571,10 @@ def guard_eager_reads(
             graph.node_copy(guard, env.__getitem__)
     gm.recompile()
     return unguarded
+
+
+# At most this many reads are traced again flipped per conversion (each is one traced forward).
+_MAX_FLIPS = 3
 
 
 def _program(gm: GraphModule) -> list[tuple]:
