@@ -334,3 +334,32 @@ def test_a_compiled_module_runs_inputs_that_fail_a_guard_uncompiled_and_exact() 
         got = cm(*padded)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(got, model(*padded))
+
+
+class DropsAFullMaskBySum(nn.Module):
+    """transformers' ``fast_all``: ``mask.sum() == mask.numel()``, whose numel the trace bakes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if isinstance(mask, torch._subclasses.FakeTensor) or not bool(mask.sum() == mask.numel()):
+            h = h.masked_fill(mask[..., None] == 0, -1e4)  # the traced path: the same values for a full mask
+        return h.softmax(-1)
+
+
+def test_a_guard_computes_a_size_the_read_uses_at_the_calls_size() -> None:
+    model = DropsAFullMaskBySum()
+    ones = torch.ones(2, 4, dtype=torch.long)
+    amp = graphamp.convert(model, (torch.randn(2, 4, 8), ones), dtype=torch.bfloat16)
+    assert amp.graphamp_info.capture == "export" and len(_guards(amp)) == 1
+    assert any(n.target is torch.ops.aten.sym_numel.default for n in amp.graph.nodes)  # not the example's 8
+    for b, s in ((1, 4), (3, 6)):
+        assert_exact(model, amp, (torch.randn(b, s, 8), torch.ones(b, s, dtype=torch.long)), {}, torch.bfloat16)
+    assert not amp.__dict__.get(_VARIANTS)
+    padded = torch.ones(3, 6, dtype=torch.long)
+    padded[0, -2:] = 0
+    assert_exact(model, amp, (torch.randn(3, 6, 8), padded), {}, torch.bfloat16)
+    assert len(amp.__dict__[_VARIANTS]) == 1

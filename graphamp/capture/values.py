@@ -565,8 +565,10 @@ def guard_eager_reads(
                 env[node] = _attribute(gm, traced, node.target, anchor)
                 continue
             with graph.inserting_before(anchor):
-                env[node] = graph.node_copy(node, env.__getitem__)
-            env[node].meta["val"] = recompute_val(env[node], fake_mode)
+                sized = [_sized(a, cone, env, graph) for a in node.args]  # size nodes first, then the op
+                copy = env[node] = graph.node_copy(node, env.__getitem__)
+                copy.args = tuple(z if z is not a else m for z, a, m in zip(sized, node.args, copy.args))
+            copy.meta["val"] = recompute_val(copy, fake_mode)
         with graph.inserting_before(anchor):
             graph.node_copy(guard, env.__getitem__)
     gm.recompile()
@@ -575,6 +577,27 @@ def guard_eager_reads(
 
 # At most this many reads are traced again flipped per conversion (each is one traced forward).
 _MAX_FLIPS = 3
+
+
+def _sized(arg: Any, cone: list[Node], env: dict[Node, Node], graph: Graph) -> Any:
+    """A number the trace baked in that is a tensor's size in the read (``mask.sum() == mask.numel()``,
+    transformers' ``fast_all``), as that size computed in ``graph``, so the guard holds for any size."""
+    if type(arg) is not int or arg < 2:
+        return arg
+    for node in cone:
+        val = node.meta.get("val")
+        if node not in env or not isinstance(val, torch.Tensor):
+            continue
+        if val.numel() == arg:
+            size = graph.call_function(torch.ops.aten.sym_numel.default, (env[node],))
+        elif arg in val.shape:
+            size = graph.call_function(torch.ops.aten.sym_size.int, (env[node], list(val.shape).index(arg)))
+        else:
+            continue
+        mine = env[node].meta["val"]
+        size.meta["val"] = mine.numel() if size.target is torch.ops.aten.sym_numel.default else mine.shape[size.args[1]]
+        return size
+    return arg
 
 
 def _program(gm: GraphModule) -> list[tuple]:
