@@ -17,7 +17,9 @@ time under that same autocast state, as eager does.
 
 The package: ``export`` (torch.export with dynamic shapes, else static), ``torchscript`` (models
 holding ScriptModules), ``functions`` (kept custom autograd Functions), ``dynamo`` (convert's fallback
-to ``torch.compile(backend="graphamp")`` where torch.export refuses the program itself).
+to ``torch.compile(backend="graphamp")`` where torch.export refuses the program itself), ``values``
+(the model traced on the example's values, eager's own program with guards, where the others' program
+is not eager's; and the guards an export graph gets on the values eager reads).
 """
 
 from __future__ import annotations
