@@ -203,3 +203,28 @@ def test_the_eager_program_is_captured_past_a_narrow_fake_kernel(dtype):
     with torch.autocast("cpu", dtype=DTYPES[dtype]):
         expected = model(x)
     assert torch.equal(amp(x), expected)
+
+
+# A composite decomposed two ways: eager's C++ kernel of upsample_bicubic2d.vec calls the
+# upsample_bicubic2d kernel, torch's Python decomposition (which OpOverload.decompose prefers) is
+# index arithmetic that rounds otherwise in bf16 and fp16. graphamp decomposes as eager does (SAM2's
+# position embeddings are interpolated so).
+
+
+class InterpolatesAnActivation(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.lin, self.mode = nn.Linear(5, 5), mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        corners = {} if self.mode == "nearest" else {"align_corners": False}
+        return F.interpolate(self.lin(x), size=(8, 8), mode=self.mode, **corners)
+
+
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear", "nearest"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_upsampling_a_low_precision_activation_follows_eagers_kernel(mode, dtype):
+    torch.manual_seed(0)
+    model, x = InterpolatesAnActivation(mode), torch.randn(2, 4, 5, 5)
+    amp = graphamp.convert(model, (x,), dtype=DTYPES[dtype], self_check="off")
+    assert_exact(model, amp, (x,), {}, DTYPES[dtype])

@@ -370,9 +370,15 @@ class _Rewriter:
                 filled[i] = v
             a, k = pytree.tree_unflatten(filled, spec)
             # Pre-dispatch tracing's torch-function mode would re-record `op` itself; calling the
-            # CompositeImplicitAutograd kernel without it records its children instead.
+            # CompositeImplicitAutograd kernel without it records its children instead. The C++
+            # kernel, as eager runs it: torch's Python decomposition of an op may differ
+            # (upsample_bicubic2d.vec becomes index arithmetic in Python, while C++ calls the
+            # upsample_bicubic2d kernel, which CPU autocast lists for fp32).
             with torch._C.DisableTorchFunction():
-                return op.decompose(*a, **k)
+                try:
+                    return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *a, **k)
+                except Exception:
+                    return op.decompose(*a, **k)
 
         try:
             # Under autocast, as in eager: the decomposition's children see autocast's dtypes (a
