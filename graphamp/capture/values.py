@@ -164,15 +164,10 @@ def capture_by_values(
     _one_fake_mode(gm)
     gm.meta[CAPTURED_STATIC] = True
     gm.meta[SIZE_CONDITIONS] = []
-    gm.meta[CAPTURED_BY_VALUES] = len(reads.reads)
     if keeper.kept:
         _bind_kept_functions(gm, keeper.kept)
     gm.recompile()
     return gm
-
-
-# gm.meta key: the graph follows the example's values (the number of value reads it guards).
-CAPTURED_BY_VALUES = "graphamp_captured_by_values"
 
 
 def _check_outputs(traced: GraphModule, model: nn.Module) -> None:
