@@ -14,7 +14,9 @@ it per model).
 
 Compiled graphamp variants: ``graphamp_compiled`` is ``graphamp.convert(..., compile=True)`` (for
 ``--task infer`` with ``inference=True``, so inductor freezes the low-precision weights), trained
-with the same eager AdamW step as the other variants; ``trainstep_compiled`` is
+with the same eager AdamW step as the other variants; ``graphamp_autotune_compiled`` is the same with
+``mode="autotune"`` (the ops measured slower in low precision on this machine raised to fp32, then
+compiled); ``trainstep_compiled`` is
 ``graphamp.TrainStep(..., compile=True)``, whose optimizer step is compiled too.
 
 Other columns:
@@ -81,6 +83,7 @@ VARIANTS = (
     "compile_autocast_freezing",
     "graphamp_backend",
     "graphamp_compiled",
+    "graphamp_autotune_compiled",
     "trainstep",
     "trainstep_compiled",
 )
@@ -89,7 +92,10 @@ VARIANTS = (
 TASKS = ("infer", "forward", "train")
 INFER_ONLY = {"graphamp_inference", "compile_autocast_freezing"}
 TRAIN_ONLY = {"trainstep", "trainstep_compiled"}
-COMPILED = {"compile_autocast", "compile_autocast_freezing", "graphamp_backend", "graphamp_compiled", "trainstep_compiled"}
+COMPILED = {
+    "compile_autocast", "compile_autocast_freezing", "graphamp_backend", "graphamp_compiled", "graphamp_autotune_compiled",
+    "trainstep_compiled",
+}
 # What a user gets without graphamp at autocast's accuracy: ``vs best`` divides by the fastest of these.
 ALTERNATIVES = ("fp32", "autocast", "compile_autocast", "compile_autocast_freezing")
 
@@ -219,13 +225,18 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Varia
         compiled = torch.compile(model, backend="graphamp", options={"dtype": dtype})
         call = lambda: compiled(*args, **kwargs)  # noqa: E731
         return _Variant(as_step(call, model.parameters()), call, None)
-    if name == "graphamp_compiled":
+    if name in ("graphamp_compiled", "graphamp_autotune_compiled"):
+        from graphamp.plan import AutotunePlan
+
         inference = task == "infer"
-        cm = graphamp.convert(model, args, kwargs, dtype=dtype, inference=inference, compile=True)
+        mode = "autotune" if name == "graphamp_autotune_compiled" else "exact"
+        cm = graphamp.convert(model, args, kwargs, dtype=dtype, inference=inference, mode=mode, compile=True)
         call = lambda: cm(*args, **kwargs)  # noqa: E731
         variant = _Variant(as_step(call, model.parameters()), call, None)
-        ran = "" if getattr(cm, "runs_compiled", False) else " (the compiled program was refused: runs uncompiled, exact)"
+        ran = "" if getattr(cm, "runs_compiled", False) else " (the compiled program was refused: runs uncompiled)"
         variant.note = (f"inference={inference}; drift on the example: {cm.drift.line()}" if getattr(cm, "drift", None) else "") + ran
+        if mode == "autotune":
+            variant.note = f"{AutotunePlan.of(getattr(cm, 'amp', cm)).summary()}; {variant.note}"
         return variant
     if name in ("trainstep", "trainstep_compiled"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

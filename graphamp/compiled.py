@@ -83,7 +83,7 @@ class Drift:
         if self.grads_max_abs is not None:
             out += f", gradients max abs {self.grads_max_abs:.3g} (rel {self.grads_max_rel:.3g})"
         if not self.dtypes_match:
-            out += ", OUTPUT DTYPES DIFFER"
+            out += ", OUTPUT DTYPES DIFFER" + (f" ({self.note})" if self.note else "")
         return out + (" (bitwise)" if self.bitwise else "")
 
 
@@ -432,7 +432,11 @@ def compile_converted(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dic
     except Exception as e:  # the drift is a report; eager that cannot run leaves it unmeasured
         drift = Drift(None, None, True, False, comparable=False, note=f"eager autocast could not run the example ({type(e).__name__}: {_first_line(e)})")
     cm.meta[DRIFT_META] = drift
-    if not drift.dtypes_match:
+    if not drift.dtypes_match and _dtypes_follow_converted(cm, amp, model, args, kwargs):
+        drift = cm.meta[DRIFT_META] = dataclasses.replace(drift, note=(
+            "output dtypes differ from eager autocast's by the autotune plan (raised ops return fp32), "
+            "as the uncompiled module's do"))
+    elif not drift.dtypes_match:
         # Inductor ran another program, not the converted graph rounded differently (the autocast
         # state a fused kernel's call sets inside the graph, lost in compilation): never return that.
         cm.__dict__["_fallback"] = True
@@ -445,6 +449,21 @@ def compile_converted(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dic
             stacklevel=3,
         )
     return cm
+
+
+def _dtypes_follow_converted(cm: CompiledAmpModule, amp: AmpModule, model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the compiled module returns the output dtypes and shapes of the uncompiled converted
+    module on the example. In exact mode those are eager autocast's; ``mode="autotune"`` may
+    return others by design (a raised ``lm_head`` returns fp32 logits), which
+    is the converted program, not inductor running another one."""
+    from graphamp.self_check import _run
+
+    if amp.graphamp_info.mode == "exact":
+        return False  # the converted module's dtypes are eager autocast's, which the compiled ones miss
+    no_grad = amp.graphamp_info.inference
+    got = _run(lambda: cm(*args, **kwargs), model, grads=False, no_grad=no_grad)
+    ref = _run(lambda: amp(*args, **kwargs), model, grads=False, no_grad=no_grad)
+    return _tree_errors(pytree.tree_leaves(got.outputs), pytree.tree_leaves(ref.outputs))[2]
 
 
 def compiled_for_training(amp: nn.Module) -> nn.Module:

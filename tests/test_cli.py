@@ -47,7 +47,7 @@ def test_bench_rejects_unknown_model():
 def test_bench_compiled_variants_and_vs_best(tmp_path, capsys):
     path = tmp_path / "bench.json"
     code = main(["bench", "--model", "mlp", "--variants", "fp32", "autocast", "compile_autocast", "graphamp_compiled",
-                 "--rounds", "2", "--json", str(path)])
+                 "graphamp_autotune_compiled", "--rounds", "2", "--json", str(path)])
     assert code == 0
     out = capsys.readouterr().out
     rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
@@ -59,6 +59,8 @@ def test_bench_compiled_variants_and_vs_best(tmp_path, capsys):
     assert rows[best]["vs_best"] == 1.0 and f"mlp: {best}" in out
     compiled = rows["graphamp_compiled"]
     assert 0 <= compiled["max_err"] < 0.1 and "drift on the example" in compiled["note"]  # not bitwise; near
+    tuned = rows["graphamp_autotune_compiled"]
+    assert tuned["note"].startswith("autotune (") and "drift on the example" in tuned["note"]
 
 
 def test_bench_trainstep_compiled(tmp_path):

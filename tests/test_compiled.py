@@ -236,6 +236,25 @@ def test_a_compiled_program_with_other_dtypes_is_never_returned():
         assert torch.equal(got, want)
 
 
+def test_autotune_raised_outputs_are_compiled_not_refused():
+    # mode="autotune" that raises the last linear returns fp32 where eager autocast returns bf16: the
+    # converted program's dtypes, not inductor running another program, so it runs compiled and the
+    # drift says why its dtypes differ from eager autocast's.
+    from graphamp.passes.autotune import MeasurementCache, measuring
+
+    model = _block().eval()
+    x = torch.randn(4, 16)
+    fp32_faster = lambda fn, trial: 2.0 if trial.dtype is BF16 else 1.0  # noqa: E731
+    with measuring(timer=fp32_faster, cache=MeasurementCache(), check_accuracy=False), warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        cm = graphamp.convert(model, (x,), mode="autotune", inference=True, compile=True)
+        uncompiled = graphamp.convert(model, (x,), mode="autotune", inference=True)
+    assert cm.runs_compiled and not cm.drift.dtypes_match and "autotune" in cm.drift.line()
+    with torch.no_grad():
+        got, want = cm(x), uncompiled(x)
+    assert got.dtype == want.dtype == torch.float32 and _close(got, want)
+
+
 class BatchNotOne(nn.Module):
     """Branches on ``batch != 1``: batch 1 is another shape class, which the converted module converts for."""
 
