@@ -22,6 +22,7 @@ from graphamp.errors import CaptureError, EagerPathWarning, PolicyDriftError
 from graphamp.passes import build_pipeline, run_passes
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.passes.autotune import PLAN_META, checks_accuracy
+from graphamp.passes.export_guards import guards_as_asserts
 from graphamp.probe import _state_restored, eager_sdpa_calls
 from graphamp.self_check import SELF_CHECK_META, applies, check_self_check, checker_for
 from graphamp.spec import AmpSpec, ambient_autocast, autocast_off
@@ -301,6 +302,8 @@ def _guard_eager_reads(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, 
     """Guards in ``gm`` on the tensor values eager reads to choose its program (see
     ``capture.values.guard_eager_reads``); a warning for those no guard can check."""
     unguarded = guard_eager_reads(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
+    if spec.target == "export":  # a deployed program may not call graphamp: ATen assertions instead
+        unguarded += guards_as_asserts(gm)
     if unguarded:
         warnings.warn(
             f"{type(model).__name__}'s eager code reads tensor values to choose its program ({', '.join(unguarded[:3])}"
@@ -322,7 +325,7 @@ def _rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, chec
             gm = capture_by_values(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
         else:
             gm = capture(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
-            if spec.target == "module":
+            if spec.target in ("module", "export"):
                 _guard_eager_reads(gm, model, args, kwargs, spec, grads)
         observe_eager(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype)
         run_passes(gm, spec, build_pipeline(spec, check=check))

@@ -308,3 +308,26 @@ def test_cli_reports_a_model_it_cannot_export(tmp_path, capsys):
 
 def branchy() -> tuple[nn.Module, tuple]:
     return _Branchy(), (torch.randn(2, 4),)
+
+
+def test_a_value_eager_reads_is_an_assertion_in_the_exported_program(tmp_path):
+    # Exported on a padded example, the program adds the padding bias; eager skips it for an
+    # unpadded mask by reading the mask's values (transformers' all-ones check). A deployed program
+    # cannot call graphamp's guard, so it asserts the read in ATen: the unpadded input is refused
+    # (ExportedProgram and after save/load), never run down the example's path; padded ones run exact.
+    from test_grad_regressions import MaskedEncoder, _inputs
+
+    model = MaskedEncoder(skip_bias_without_padding=True).eval()
+    args, _ = _inputs(padded=True)
+    ep = graphamp.export(model, args, dtype=torch.bfloat16)
+    code = ep.graph_module.code
+    assert "_assert_async" in code and "graphamp.runtime" not in code and "guard_value" not in code
+    path = tmp_path / "masked.pt2"
+    torch.export.save(ep, path)
+    run = torch.export.load(path).module()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(*args)
+    assert torch.equal(run(*args), want)
+    unpadded, _ = _inputs(padded=False)
+    with pytest.raises(RuntimeError, match="graphamp.export: the model's code reads a tensor value"):
+        run(*unpadded)

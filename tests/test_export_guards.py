@@ -1,0 +1,55 @@
+"""passes/export_guards.py alone, on tiny graphs: each guard_value becomes an ATen assertion with
+the branch's semantics, or is removed and named where no comparison says it exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx import Graph, GraphModule
+
+from graphamp.passes.export_guards import guards_as_asserts
+from graphamp.runtime import guard_value
+
+
+def _guarded(read: str, expected: object, dtype: torch.dtype = torch.float32) -> GraphModule:
+    """x -> x.sum() read as ``read`` (expected ``expected``) -> returns x * 2."""
+    g = Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(3, dtype=dtype)
+    s = g.call_function(torch.ops.aten.sum.default, (x,))
+    s.meta["val"] = torch.empty((), dtype=dtype)
+    g.call_function(guard_value, (read, [s], expected, "model.py:7"))
+    g.output(g.call_function(torch.ops.aten.mul.Tensor, (x, 2)))
+    return GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize(("read", "expected", "passes", "refused"), [
+    ("bool", True, torch.ones(3), torch.zeros(3)),
+    ("bool", False, torch.zeros(3), torch.ones(3)),
+    ("item", 3.0, torch.ones(3), torch.zeros(3)),
+])
+def test_a_guard_becomes_an_assertion_with_the_branchs_meaning(read, expected, passes, refused):
+    gm = _guarded(read, expected)
+    assert guards_as_asserts(gm) == []
+    assert "_assert_async" in gm.code and "guard_value" not in gm.code
+    assert torch.equal(gm(passes), passes * 2)
+    with pytest.raises(RuntimeError, match=r"graphamp.export: .*\(" + read + " at model.py:7\\)"):
+        gm(refused)
+
+
+@pytest.mark.parametrize(("read", "expected"), [("int", 3), ("float", float("nan")), ("tolist", [1.0])])
+def test_a_read_no_comparison_says_exactly_is_removed_and_named(read, expected):
+    # int() truncates a float (an equality would refuse 3.5, which eager reads as 3); NaN equals
+    # nothing; a list read has no one-element comparison.
+    gm = _guarded(read, expected)
+    assert guards_as_asserts(gm) == ["model.py:7"]
+    assert "_assert_async" not in gm.code and "guard_value" not in gm.code and "sum" not in gm.code
+    assert torch.equal(gm(torch.ones(3)), torch.ones(3) * 2)
+
+
+def test_an_int_read_of_an_integer_tensor_is_asserted():
+    gm = _guarded("int", 3, dtype=torch.int64)
+    assert guards_as_asserts(gm) == []
+    gm(torch.ones(3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="graphamp.export"):
+        gm(torch.zeros(3, dtype=torch.int64))
