@@ -131,11 +131,22 @@ class Shrink:
     hidden_per_head: int | None  # None keeps the config's own head dimension
     heads: int | None  # None keeps the config's head counts and hidden sizes
     images: bool  # shrink image_size and per-stage lists
+    # Also the sizes the patterns above miss (prefixed names, sizes one sub-config takes from a
+    # sibling, Mamba-2 head geometry): see _tie. Only for models still big after the other shrinks.
+    tied: bool = False
 
 
+# The "tiny, tied" shrink is tried only when the "layers only" build would have more parameters
+# than this (counted on the meta device), so every model that builds small is built as before.
+TIED_ABOVE = 100_000_000
+
+# In order; census.py takes the first whose eager autocast runs. "tiny, tied" is tiny plus the
+# repairs of _tie, before "layers only" (which keeps every width and can leave a model at 1-2.5 B
+# parameters) but gated by TIED_ABOVE, so models that build small do not change.
 SHRINKS = (
     Shrink("tiny", 32, 2, True),
     Shrink("head-dim kept", None, 2, False),
+    Shrink("tiny, tied", 32, 2, True, tied=True),
     Shrink("layers only", None, None, False),
 )
 # Each shrink first with the main input alone, then with pixel_values too (BridgeTower needs both).
@@ -157,6 +168,51 @@ def _special_token_ids(d: dict[str, Any]) -> set[int]:
 def _scaled_list(values: list[int], first: int) -> list[int]:
     scale = values[0] / first if values[0] > first else 1
     return [max(1, int(v / scale)) for v in values]
+
+
+_SIZE_PATTERNS = (_HEADS, _KV_HEADS, _HEAD_DIM, _HIDDEN)
+
+
+def _size_key(k: str, how: Shrink) -> str:
+    """The name ``k`` is matched by: with ``how.tied``, a prefixed size (``swa_num_attention_heads``,
+    ``mamba_n_heads``, ``projection_hidden_dim``) is matched as its unprefixed name."""
+    if not how.tied or any(p.match(k) for p in _SIZE_PATTERNS):
+        return k
+    parts = k.split("_")
+    for i in range(1, len(parts)):
+        rest = "_".join(parts[i:])
+        if any(p.match(rest) for p in _SIZE_PATTERNS):
+            return rest
+    return k
+
+
+def _tie(out: dict[str, Any]) -> None:
+    """The "tiny, tied" repairs on a shrunk config dict whose sub-configs are already shrunk.
+
+    - A size one config takes from a sibling sub-config ``X_config`` is named ``X_hidden_size``
+      (``vision_config.text_hidden_size``, ``head_config.audio_hidden_size``): it follows that
+      sibling's new ``hidden_size``; configs validate the equality.
+    - Mamba-2 mixers (Mamba2, Bamba, GraniteMoeHybrid, NemotronH, ...): ``mamba_n_heads * mamba_d_head``
+      (Mamba2: ``num_heads * head_dim``) must be ``mamba_expand * hidden_size``, and the groups must
+      divide the heads.
+    """
+    for key, sub in out.items():
+        if key.endswith("_config") and isinstance(sub, dict) and isinstance(sub.get("hidden_size"), int):
+            name = key.removesuffix("_config") + "_hidden_size"
+            for node in (out, *(v for k, v in out.items() if k != key and isinstance(v, dict))):
+                if isinstance(node.get(name), int) and not isinstance(node.get(name), bool):
+                    node[name] = sub["hidden_size"]
+    hidden = out.get("hidden_size")
+    mamba = [("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim")]
+    if any(isinstance(out.get(k), int) for k in ("state_size", "ssm_state_size")):  # a Mamba-2 config itself
+        mamba.append(("num_heads", "head_dim"))
+    n_key, d_key = next(((n, h) for n, h in mamba if isinstance(out.get(n), int) and isinstance(out.get(h), int) and out[h] > 0), (None, None))
+    expand = next((out[k] for k in ("mamba_expand", "expand") if isinstance(out.get(k), int) and out[k] > 0), None)
+    if isinstance(hidden, int) and n_key and d_key and expand and (expand * hidden) % out[d_key] == 0:
+        out[n_key] = expand * hidden // out[d_key]
+        for g in ("mamba_n_groups", "n_groups"):
+            if isinstance(out.get(g), int) and out[g] > 0 and out[n_key] % out[g]:
+                out[g] = 1
 
 
 def shrink_config_dict(d: dict[str, Any], how: Shrink) -> dict[str, Any]:
@@ -193,14 +249,14 @@ def shrink_config_dict(d: dict[str, Any], how: Shrink) -> dict[str, Any]:
         elif _LAYERS.search(k) and v > 2 and "hidden" not in k.replace("num_hidden_layers", ""):
             old_layers = old_layers or v
             out[k] = 2
-        elif _KV_HEADS.match(k) and v > 0 and heads:
+        elif _KV_HEADS.match(_size_key(k, how)) and v > 0 and heads:
             out[k] = heads if old_heads and v == old_heads else 1
-        elif _HEADS.match(k) and heads and v > heads:
+        elif _HEADS.match(_size_key(k, how)) and heads and v > heads:
             out[k] = heads
-        elif _HIDDEN.match(k) and hidden and v > hidden:
+        elif _HIDDEN.match(_size_key(k, how)) and hidden and v > hidden:
             out[k] = hidden if not stage_heads else 32
-        elif _HEAD_DIM.match(k) and how.hidden_per_head and v > per_head:
-            out[k] = per_head if k in ("head_dim", "attention_head_dim", "kv_channels", "d_kv", "d_head") else per_head // 2
+        elif _HEAD_DIM.match(_size_key(k, how)) and how.hidden_per_head and v > per_head:
+            out[k] = per_head if _size_key(k, how) in ("head_dim", "attention_head_dim", "kv_channels", "d_kv", "d_head") else per_head // 2
         elif _FFN.search(k) and hidden and v > 2 * hidden:
             out[k] = 2 * hidden
         elif _EXPERTS.match(k) and v > 4:
@@ -226,6 +282,8 @@ def shrink_config_dict(d: dict[str, Any], how: Shrink) -> dict[str, Any]:
     if "vocab_size" in d and isinstance(d["vocab_size"], int) and d["vocab_size"] > 256:
         specials = _special_token_ids(d)
         out["vocab_size"] = max([256, *(i + 1 for i in specials if i < 300_000)])
+    if how.tied:
+        _tie(out)
     if "use_cache" in d:
         out["use_cache"] = False
     if d.get("pad_token_id", 0) is None and "pad_token_id" in d:
@@ -336,7 +394,26 @@ def _seeded(fn: Callable[[], nn.Module]) -> nn.Module:
 
 
 class NotApplicable(BuildError):
-    """This attempt would build the same thing as an earlier one."""
+    """This attempt would build the same thing as an earlier one, or does not apply to this model."""
+
+
+def _tied_applies(model_type: str, cls: type, how: Shrink) -> None:
+    """Raise NotApplicable unless the "tiny, tied" shrink changes the tiny config and the "layers
+    only" build is still over TIED_ABOVE parameters (then every earlier attempt has failed)."""
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(model_type).to_dict()
+    tiny = next(s for s in SHRINKS if s.label == "tiny")
+    if shrink_config_dict(base, how) == shrink_config_dict(base, tiny):
+        raise NotApplicable("the tied shrink is the tiny one")
+    try:
+        with torch.device("meta"):
+            big = cls(_hf_config(model_type, SHRINKS[-1]))
+        n = sum(p.numel() for p in big.parameters())
+    except Exception as e:  # no count, no tied shrink: the model builds as it did before it
+        raise NotApplicable(f"layers-only build not countable on meta: {type(e).__name__}") from e
+    if n <= TIED_ABOVE:
+        raise NotApplicable(f"layers only builds {n} parameters, at most {TIED_ABOVE}")
 
 
 def build_hf(model_type: str, attempt: int) -> Built:
@@ -351,6 +428,8 @@ def build_hf(model_type: str, attempt: int) -> Built:
     params = inspect.signature(cls.forward).parameters
     if pixels and ("pixel_values" not in params or getattr(cls, "main_input_name", "input_ids") == "pixel_values"):
         raise NotApplicable("no optional pixel_values")
+    if how.tied:
+        _tied_applies(model_type, cls, how)
     config = _hf_config(model_type, how)
     model = _seeded(lambda: cls(config)).eval()
     note = how.label + (" + pixel_values" if pixels else "")
