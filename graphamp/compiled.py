@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.emit import AmpModule
 from graphamp.errors import GraphampError, InputMismatchError, InputShapeError, InputValueError
+from graphamp.runtime import RESTORE_ON_REFUSAL, compiled_guards, restored_on_refusal
 from graphamp.spec import autocast_off
 
 __all__ = [
@@ -214,7 +215,13 @@ class CompiledAmpModule(nn.Module):
         # Outside the compiled code, so that dynamo traces (and inductor freezes) the program as it
         # runs: no autocast (the graph holds every cast) and, for inference, no grad.
         ambient = torch.is_autocast_enabled(info.device_type)
-        with autocast_off((info.device_type,)) if ambient else _nothing(), torch.no_grad() if info.inference else _nothing():
+        restore = self.amp.meta.get(RESTORE_ON_REFUSAL)
+        with (
+            restored_on_refusal(self.amp, *restore) if restore else _nothing(),
+            compiled_guards(),
+            autocast_off((info.device_type,)) if ambient else _nothing(),
+            torch.no_grad() if info.inference else _nothing(),
+        ):
             if self.__dict__["_freezing"]:
                 with inductor_freezing():
                     return self._compiled_fn()(*args, **kwargs)

@@ -578,23 +578,86 @@ def _same_value(got: Any, expected: Any) -> bool:
     return type(got) is type(expected) and got == expected
 
 
+# Reads whose value is the tensor's own (one element), which an ATen comparison can check.
+_SCALAR_READS = ("bool", "is_nonzero", "item", "int", "float", "index")
+
+
+def assert_condition(read: str, value: torch.Tensor, expected: Any) -> tuple[Callable[..., Any], Any] | None:
+    """``(op, scalar)`` such that ``op(value, scalar)`` is a bool tensor, true exactly where reading
+    ``value`` as ``read`` gives ``expected`` (``value`` may be fake); None where no ATen comparison
+    says it exactly. Shared by the compiled module's guards and graphamp.export's assertions.
+
+    >>> assert_condition("bool", torch.ones(()), True)
+    (<OpOverload(op='aten.ne', overload='Scalar')>, 0)
+    >>> assert_condition("int", torch.ones(()), 1) is None  # int() truncates a float: 1.5 reads as 1 too
+    True
+    """
+    if read not in _SCALAR_READS or not isinstance(value, torch.Tensor) or value.numel() != 1:
+        return None
+    if read in ("bool", "is_nonzero"):
+        return ((torch.ops.aten.ne.Scalar if expected else torch.ops.aten.eq.Scalar), 0) if isinstance(expected, bool) else None
+    if type(expected) not in (int, float, bool) or expected != expected:  # NaN: no equality says it
+        return None
+    if read in ("int", "index") and value.is_floating_point():
+        return None
+    return torch.ops.aten.eq.Scalar, expected
+
+
+# The message prefix of a guard's assertion in compiled code (CompiledAmpModule maps it back to
+# InputValueError); on only while a CompiledAmpModule calls its compiled code, so that a user's own
+# torch.compile of a converted module keeps the typed error (at a graph break).
+COMPILED_REFUSAL = "graphamp refused the call: "
+
+
+class _CompiledGuards:
+    asserting = False
+
+
+def _refusal(read: str, expected: Any, where: str) -> str:
+    shown = repr(expected) if len(repr(expected)) < 60 else repr(expected)[:57] + "..."
+    return (
+        f"the model's code read a tensor value ({read}{f' at {where}' if where else ''}) that was {shown} on the "
+        "example this graph follows, and differs on these inputs: eager runs another program for them."
+    )
+
+
 def guard_value(read: str, values: Sequence[Any], expected: Any, where: str = "") -> None:
     """Check that reading ``values`` as the model's code did (``read``: "bool", "item", "tolist",
     ...) gives what it gave on the example the graph was captured for; else raise
     :class:`graphamp.errors.InputValueError` (the module converts again for these inputs).
+
+    In a CompiledAmpModule's compiled code a read one comparison checks is an ATen assertion
+    instead of a Python ``bool`` (which would break dynamo's graph there).
 
     >>> guard_value("bool", [torch.ones(3).all()], True)
     >>> guard_value("item", [torch.tensor(2)], 3)
     Traceback (most recent call last):
     graphamp.errors.InputValueError: ...
     """
+    if _CompiledGuards.asserting and torch.compiler.is_compiling() and len(values) == 1:
+        condition = assert_condition(read, values[0], expected)
+        if condition is not None:
+            op, scalar = condition
+            torch.ops.aten._assert_async.msg(op(values[0], scalar), COMPILED_REFUSAL + _refusal(read, expected, where))
+            return
     got = _READS[read](*values)
     if not _same_value(got, expected):
-        shown = repr(expected) if len(repr(expected)) < 60 else repr(expected)[:57] + "..."
-        raise InputValueError(
-            f"the model's code read a tensor value ({read}{f' at {where}' if where else ''}) that was {shown} on the "
-            "example this graph follows, and differs on these inputs: eager runs another program for them."
-        )
+        raise InputValueError(_refusal(read, expected, where))
+
+
+@contextlib.contextmanager
+def compiled_guards() -> Iterator[None]:
+    """Guards as ATen assertions while tracing and running a CompiledAmpModule's code; a failed one
+    is raised as :class:`InputValueError`."""
+    previous, _CompiledGuards.asserting = _CompiledGuards.asserting, True
+    try:
+        yield
+    except RuntimeError as e:
+        if COMPILED_REFUSAL in str(e):
+            raise InputValueError(str(e).split(COMPILED_REFUSAL, 1)[1].splitlines()[0]) from e
+        raise
+    finally:
+        _CompiledGuards.asserting = previous
 
 
 def guard_size(value: torch.Tensor, size: Sequence[int], where: str = "") -> torch.Tensor:

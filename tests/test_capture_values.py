@@ -326,9 +326,15 @@ def test_a_read_no_guard_can_check_is_warned() -> None:
 
 
 def test_a_compiled_module_runs_inputs_that_fail_a_guard_uncompiled_and_exact() -> None:
+    # In the compiled code the guard is an ATen assertion: one graph, no graph break at the read.
+    from torch._dynamo.utils import counters
+
     model = MaskedEncoder(skip_bias_without_padding=True).eval()
     args, _ = _inputs(padded=False)
+    counters.clear()
     cm = graphamp.convert(model, args, dtype=torch.bfloat16, compile=True)
+    assert any(n.target is guard_value for n in cm.amp.graph.nodes)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     padded, _ = _inputs(padded=True)
     with pytest.warns(graphamp.CompileFallbackWarning, match="another path"):
         got = cm(*padded)

@@ -13,30 +13,21 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from graphamp.runtime import guard_value
+from graphamp.runtime import assert_condition, guard_value
 
 __all__ = ["guards_as_asserts"]
 
 _ASSERT = torch.ops.aten._assert_async.msg
-# Reads whose value is the tensor's own (one element), compared as the tensor holds it.
-_SCALAR_READS = ("bool", "is_nonzero", "item", "int", "float", "index")
 
 
 def _condition(graph: torch.fx.Graph, read: str, value: Node, expected: object) -> Node | None:
     """A bool-tensor node true where reading ``value`` as ``read`` gives ``expected``; None where
-    no ATen comparison says it exactly."""
-    val = value.meta.get("val")
-    if read not in _SCALAR_READS or not isinstance(val, torch.Tensor) or val.numel() != 1:
+    no ATen comparison says it exactly (``runtime.assert_condition``)."""
+    condition = assert_condition(read, value.meta.get("val"), expected)
+    if condition is None:
         return None
-    if read in ("bool", "is_nonzero"):
-        if not isinstance(expected, bool):
-            return None
-        return graph.call_function(torch.ops.aten.ne.Scalar if expected else torch.ops.aten.eq.Scalar, (value, 0))
-    if type(expected) not in (int, float, bool) or expected != expected:  # NaN: no equality says it
-        return None
-    if read in ("int", "index") and val.is_floating_point():
-        return None  # int() truncates: equality with the tensor would refuse values eager reads alike
-    return graph.call_function(torch.ops.aten.eq.Scalar, (value, expected))
+    op, scalar = condition
+    return graph.call_function(op, (value, scalar))
 
 
 def guards_as_asserts(gm: GraphModule) -> list[str]:
