@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from graphamp.emit import AmpModule
-from graphamp.errors import GraphampError, InputMismatchError, InputShapeError, InputValueError
+from graphamp.errors import CompileError, CompileFallbackWarning, GraphampError, InputMismatchError, InputShapeError, InputValueError
 from graphamp.runtime import RESTORE_ON_REFUSAL, compiled_guards, restored_on_refusal
 from graphamp.spec import autocast_off
 
@@ -46,14 +46,6 @@ DRIFT_META = "graphamp.drift"
 # Ops whose values come from a random generator: inductor draws them from its own, so a compiled
 # training forward with dropout cannot be compared value by value with eager.
 _RANDOM_OPS = ("dropout", "native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like", "randint", "randperm", "multinomial", "normal", "uniform")
-
-
-class CompileError(GraphampError, RuntimeError):
-    """``compile=True``: inductor (or dynamo) could not compile the converted module."""
-
-
-class CompileFallbackWarning(UserWarning):
-    """A compiled module could not compile for some inputs and ran its converted graph uncompiled."""
 
 
 @dataclasses.dataclass(frozen=True)

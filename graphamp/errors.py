@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "InputValueError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "InputValueError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError", "CompileError", "CompileFallbackWarning", "UnitInputError"]
 
 
 class GraphampError(Exception):
@@ -104,3 +104,17 @@ class ModelChangedError(GraphampError, RuntimeError):
 class ModelMethodError(GraphampError, AttributeError):
     """A method of the model that a converted module does not pass through: it would run the model's
     own unconverted code (an ``AttributeError``, so ``hasattr`` stays False)."""
+
+
+class CompileError(GraphampError, RuntimeError):
+    """``compile=True``: inductor (or dynamo) could not compile the converted module."""
+
+
+class CompileFallbackWarning(UserWarning):
+    """A compiled module could not compile for some inputs and ran its converted graph uncompiled."""
+
+
+class UnitInputError(InputMismatchError):
+    """A sharded unit's graph was called with inputs it was not converted for (other sizes or
+    structure). Unlike a plain converted module, the model does not convert again for them: that
+    gathers parameters, a collective that one rank cannot run alone in the middle of a forward."""

@@ -27,7 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from graphamp.errors import CaptureError, GraphampError, InputMismatchError
+from graphamp.errors import CaptureError, GraphampError, InputMismatchError, UnitInputError
 from graphamp.probe import attribute_bound
 from graphamp.spec import AmpSpec
 
@@ -60,12 +60,6 @@ def sharded_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``graphamp.convert`` must convert ``model`` unit by unit (it holds an FSDP2 unit)."""
     return not _CONVERTING.get() and bool(sharded_units(model))
-
-
-class UnitInputError(InputMismatchError):
-    """A sharded unit's graph was called with inputs it was not converted for (other sizes or
-    structure). Unlike a plain converted module, the model does not convert again for them: that
-    gathers parameters, a collective that one rank cannot run alone in the middle of a forward."""
 
 
 class _Unit:
