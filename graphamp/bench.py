@@ -17,7 +17,9 @@ Compiled graphamp variants: ``graphamp_compiled`` is ``graphamp.convert(..., com
 with the same eager AdamW step as the other variants; ``graphamp_autotune_compiled`` is the same with
 ``mode="autotune"`` (the ops measured slower in low precision on this machine raised to fp32, then
 compiled); ``trainstep_compiled`` is
-``graphamp.TrainStep(..., compile=True)``, whose optimizer step is compiled too.
+``graphamp.TrainStep(..., compile=True)``, whose optimizer step is compiled too;
+``trainstep_autotune`` and ``trainstep_autotune_compiled`` are the same with ``mode="autotune"``
+(each op's forward and backward timed, the slower-in-low-precision ops raised to fp32).
 
 Other columns:
 * casts/call: ``aten._to_copy`` ops one call executes after warm-up, counted by lowering the call with
@@ -86,15 +88,17 @@ VARIANTS = (
     "graphamp_autotune_compiled",
     "trainstep",
     "trainstep_compiled",
+    "trainstep_autotune",
+    "trainstep_autotune_compiled",
 )
 # "infer": eval under no_grad; "forward": eval with grad enabled, no backward (eager's program may
 # differ by grad mode: a fused encoder kernel); "train": train mode, forward, backward, AdamW step.
 TASKS = ("infer", "forward", "train")
 INFER_ONLY = {"graphamp_inference", "compile_autocast_freezing"}
-TRAIN_ONLY = {"trainstep", "trainstep_compiled"}
+TRAIN_ONLY = {"trainstep", "trainstep_compiled", "trainstep_autotune", "trainstep_autotune_compiled"}
 COMPILED = {
     "compile_autocast", "compile_autocast_freezing", "graphamp_backend", "graphamp_compiled", "graphamp_autotune_compiled",
-    "trainstep_compiled",
+    "trainstep_compiled", "trainstep_autotune_compiled",
 }
 # What a user gets without graphamp at autocast's accuracy: ``vs best`` divides by the fastest of these.
 ALTERNATIVES = ("fp32", "autocast", "compile_autocast", "compile_autocast_freezing")
@@ -238,15 +242,22 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Varia
         if mode == "autotune":
             variant.note = f"{AutotunePlan.of(getattr(cm, 'amp', cm)).summary()}; {variant.note}"
         return variant
-    if name in ("trainstep", "trainstep_compiled"):
+    if name in TRAIN_ONLY:
+        from graphamp.plan import AutotunePlan
+
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        step = graphamp.TrainStep(model, lambda out, target: _loss(out), opt, dtype=dtype, compile=name == "trainstep_compiled")
+        mode = "autotune" if "autotune" in name else "exact"
+        step = graphamp.TrainStep(model, lambda out, target: _loss(out), opt, dtype=dtype, compile=name.endswith("_compiled"), mode=mode)
 
         def train() -> Any:
             return step(*args, target=None, **kwargs)
 
         # TrainStep's graph ends in the loss, so it has no model outputs to compare (max err n/a).
-        return _Variant(train, None, None)
+        variant = _Variant(train, None, None)
+        if mode == "autotune":
+            train()  # converts (and measures) now, not inside the first timed round
+            variant.note = AutotunePlan.of(step.module).summary()
+        return variant
     raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
 
 
@@ -374,7 +385,7 @@ def run(
                         row.casts_per_call = count_casts(lowered_graph(_CallModule(prepared[v].lowerable), (), {}))
                 except Exception:
                     row.casts_per_call = None
-            if v not in COMPILED and v != "trainstep":
+            if v not in COMPILED and v not in TRAIN_ONLY:
                 row.peak_mib = _peak_mib(prepared[v].step)
         base = model_rows.get("autocast")
         pure = model_rows.get("pure_low")

@@ -250,6 +250,12 @@ class TrainStep:
             which runs its own kernel). Faster; no longer bitwise equal to the eager loop (inductor
             rounds its fused kernels its own way, dropout draws from inductor's generator). The
             self-check still checks the converted graph, uncompiled. The first call compiles.
+        mode: "exact" (default: the step equals the eager AMP loop bit for bit) or "autotune":
+            :func:`graphamp.convert`'s autotune on the model and loss, timing each op's forward and
+            backward on this machine and raising to fp32 the low-precision ops that run faster in
+            fp32 (fp16 matmuls on a CPU that emulates fp16), never less accurate than autocast on the
+            first batch. Not bitwise: the self-check does not apply; the plan (decisions, times,
+            accuracy against autocast's) is ``graphamp.AutotunePlan.of(step.module)``.
 
     Attributes:
         module: the converted model+loss (an :class:`AmpModule`), after the first call.
@@ -293,6 +299,7 @@ class TrainStep:
         config: Config | None = None,
         self_check: str | bool = "raise",
         compile: bool = False,
+        mode: str = "exact",
     ) -> None:
         _check_args(model, loss_fn, optimizer, max_grad_norm, accumulate, config)
         if not isinstance(compile, bool):
@@ -302,7 +309,7 @@ class TrainStep:
         self.inner = model.module if isinstance(model, DistributedDataParallel) else model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.spec = AmpSpec.resolve(self.inner, (), dtype=dtype, device_type=device_type, config=config, check_devices=False)
+        self.spec = AmpSpec.resolve(self.inner, (), dtype=dtype, device_type=device_type, mode=mode, config=config, check_devices=False)
         self.device_type, self.dtype = self.spec.device_type, self.spec.dtype
         self.scaler = _check_scaler(scaler, self.device_type, self.dtype)
         self.sync_free = scaler == "graph"

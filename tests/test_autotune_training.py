@@ -71,3 +71,49 @@ def test_forward_and_backward_timings_are_cached_apart_and_decide():
     inferred = _convert(model.eval(), x, again, cache, inference=True)
     assert again.trials  # the training timings do not answer for inference
     assert graphamp.AutotunePlan.of(inferred).raised
+
+
+def _one_step(mode, timer):
+    model, x = _mlp()
+    target = torch.randn(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = graphamp.TrainStep(model, nn.functional.mse_loss, opt, dtype=torch.float16, mode=mode)
+    with measuring(timer=timer, cache=MeasurementCache()):
+        loss = step(x, target=target)
+    return step, model, loss
+
+
+def test_trainstep_autotune_raises_what_fp32_wins_and_trains_in_fp32():
+    step, model, loss = _one_step("autotune", lambda fn, trial: 1.0 if trial.dtype is torch.float32 else 2.0)
+    assert graphamp.AutotunePlan.of(step.module).raised == ("linear", "linear_1")
+    # Everything raised: the step is the fp32 step, bit for bit.
+    ref, x = _mlp()
+    target = torch.randn(4, 4)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_loss = nn.functional.mse_loss(ref(x), target)
+    ref_loss.backward()
+    opt.step()
+    assert loss.dtype is torch.float32 and torch.equal(loss, ref_loss.detach())
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_trainstep_autotune_keeps_autocast_where_low_wins():
+    low_wins = lambda fn, trial: 2.0 if trial.dtype is torch.float32 else 1.0  # noqa: E731
+    step, model, loss = _one_step("autotune", low_wins)
+    assert graphamp.AutotunePlan.of(step.module).raised == ()
+    exact_step, exact_model, exact_loss = _one_step("exact", low_wins)
+    assert torch.equal(loss, exact_loss)
+    for p, q in zip(model.parameters(), exact_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_trainstep_refuses_an_unknown_mode():
+    model, _ = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        graphamp.TrainStep(model, nn.functional.mse_loss, opt, mode="fast")
+    except ValueError as e:
+        assert "mode='fast'" in str(e)
+    else:
+        raise AssertionError("mode='fast' was accepted")

@@ -66,10 +66,12 @@ def test_bench_compiled_variants_and_vs_best(tmp_path, capsys):
 def test_bench_trainstep_compiled(tmp_path):
     path = tmp_path / "bench.json"
     code = main(["bench", "--model", "mlp", "--task", "train", "--variants", "autocast", "trainstep", "trainstep_compiled",
-                 "--rounds", "1", "--json", str(path)])
+                 "trainstep_autotune", "trainstep_autotune_compiled", "--rounds", "1", "--json", str(path)])
     assert code == 0
     rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
-    assert rows["trainstep_compiled"]["status"] == "ok" and rows["trainstep_compiled"]["median_ms"] > 0
+    for v in ("trainstep_compiled", "trainstep_autotune", "trainstep_autotune_compiled"):
+        assert rows[v]["status"] == "ok" and rows[v]["median_ms"] > 0, rows[v]
+    assert rows["trainstep_autotune"]["note"].startswith("autotune (")
 
 
 def test_bench_takes_a_models_factory(tmp_path, monkeypatch, capsys):
