@@ -499,6 +499,8 @@ def merge_results(out: Path, newer: Path) -> int:
             changed += 1
             continue
         merged = dict(old)
+        # The re-run's build (a changed shrink builds another size) is the one its checks ran on.
+        merged.update({k: row[k] for k in ("class", "note", "params") if k in row})
         merged["checks"] = {**old.get("checks", {}), **row.get("checks", {})}
         merged["requested"] = sorted(set(old.get("requested", CHECKS)) | set(row.get("requested", [])), key=CHECKS.index)
         if set(merged["requested"]) <= set(merged["checks"]):  # every check has a result now

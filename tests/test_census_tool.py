@@ -22,12 +22,13 @@ def test_a_rerun_replaces_the_checks_it_made_and_records_itself(tmp_path: Path) 
         {"model": "hf/a", "status": "done", "eager": ok, "requested": list(census.CHECKS),
          "checks": {"convert_bf16": {"status": "error", "reported": True}, "backend": {"status": "bitwise"}}},
         {"model": "hf/b", "status": "timeout", "timeout_in": "grads_bf16", "eager": ok, "requested": ["convert_bf16", "grads_bf16"],
-         "checks": {"convert_bf16": {"status": "bitwise"}}},
+         "note": "layers only", "params": 10**9, "checks": {"convert_bf16": {"status": "bitwise"}}},
         {"model": "hf/c", "status": "done", "eager": ok, "requested": ["convert_bf16"], "checks": {"convert_bf16": {"status": "bitwise"}}},
     ])
     _write(rerun, {"date": "d1", "graphamp_commit": "bbb"}, [
         {"model": "hf/a", "status": "done", "eager": ok, "requested": ["convert_bf16"], "checks": {"convert_bf16": {"status": "bitwise"}}},
-        {"model": "hf/b", "status": "done", "eager": ok, "requested": ["grads_bf16"], "checks": {"grads_bf16": {"status": "bitwise"}}},
+        {"model": "hf/b", "status": "done", "eager": ok, "requested": ["grads_bf16"], "checks": {"grads_bf16": {"status": "bitwise"}},
+         "note": "tiny, tied", "params": 10},
         {"model": "hf/c", "status": "timeout", "eager": ok, "requested": ["convert_bf16"], "checks": {}},
     ])
     assert census.merge_results(out, rerun) == 2
@@ -37,6 +38,7 @@ def test_a_rerun_replaces_the_checks_it_made_and_records_itself(tmp_path: Path) 
     assert a["checks"] == {"convert_bf16": {"status": "bitwise"}, "backend": {"status": "bitwise"}}
     assert a["rerun"] == [{"date": "d1", "commit": "bbb", "checks": ["convert_bf16"]}]
     assert b["status"] == "done" and "timeout_in" not in b and b["checks"]["grads_bf16"]["status"] == "bitwise"
+    assert (b["note"], b["params"]) == ("tiny, tied", 10)  # the build the re-run's checks ran on
     assert c["checks"] == {"convert_bf16": {"status": "bitwise"}} and "rerun" not in c  # an unfinished re-run changes nothing
     table = census.summarize(rows)["table"]
     assert table["convert_bf16"]["bitwise"] == 3 and table["grads_bf16"]["bitwise"] == 1
