@@ -1,4 +1,4 @@
-"""benchmarks/census.py's own bookkeeping: merging a re-run into the population's results."""
+"""benchmarks/census.py's own bookkeeping: merging a re-run into the population's results; the CI sample's lists."""
 
 from __future__ import annotations
 
@@ -42,3 +42,11 @@ def test_a_rerun_replaces_the_checks_it_made_and_records_itself(tmp_path: Path) 
     assert c["checks"] == {"convert_bf16": {"status": "bitwise"}} and "rerun" not in c  # an unfinished re-run changes nothing
     table = census.summarize(rows)["table"]
     assert table["convert_bf16"]["bitwise"] == 3 and table["grads_bf16"]["bitwise"] == 1
+
+
+def test_every_known_cause_is_a_check_the_ci_sample_runs() -> None:
+    import census_sample
+
+    stale = [key for key in census_sample.KNOWN if key[1] not in census_sample.SAMPLE.get(key[0], ())]
+    assert not stale, f"KNOWN lists checks the CI sample does not run: {stale}"
+    assert len(census_sample.CONVERTING) >= 30, "the CI sample keeps at least 30 models beside one per cause"
