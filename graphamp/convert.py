@@ -24,7 +24,7 @@ from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_he
 from graphamp.passes.autotune import PLAN_META, checks_accuracy
 from graphamp.passes.export_guards import guards_as_asserts
 from graphamp.probe import _state_restored, eager_sdpa_calls
-from graphamp.self_check import SELF_CHECK_META, applies, check_self_check, checker_for
+from graphamp.self_check import SELF_CHECK_META, applies, check_against_eager, check_self_check, checker_for
 from graphamp.spec import AmpSpec, ambient_autocast, autocast_off
 
 _log = logging.getLogger("graphamp")
@@ -79,7 +79,9 @@ def convert(
             ``torch.autocast`` run the example once more, from the same random state with buffers
             restored, and every output value and dtype and (unless ``inference``) every parameter
             gradient of a fixed loss must be bitwise equal. "raise" (default) raises
-            :class:`graphamp.PolicyDriftError` naming what differs and the first divergent node;
+            :class:`graphamp.PolicyDriftError` naming what differs and the first divergent node,
+            unless another conversion is exact (all-ones masks passed as None, the capture on
+            values), which is returned instead;
             "warn" warns :class:`graphamp.PolicyDriftWarning` and returns the module; "off" skips
             it (for conversions in a loop; ``graphamp.verify`` checks on demand). What it found is
             in ``amp.meta["graphamp.self_check"]``.
@@ -129,9 +131,11 @@ def convert(
                 raise failed  # noqa: B904 (its own cause, the error dynamo met, is the one to show)
     if on_drift != "off" and applies(spec, model, args, kwargs):
         try:
-            amp.meta[SELF_CHECK_META] = checker_for(amp)(amp, model, args, kwargs, spec, on_drift=on_drift)
+            # Undiagnosed where other conversions follow: locating a difference costs a run or a compile.
+            quick = on_drift == "raise" and spec.mode == "exact"
+            amp.meta[SELF_CHECK_META] = _self_check(amp, model, args, kwargs, spec, on_drift=on_drift, diagnose=not quick)
         except PolicyDriftError as drift:
-            amp = _exact_again(model, args, kwargs, spec, drift, refused)
+            amp = _exact_again(model, args, kwargs, spec, drift, refused, first=amp)
     if compile:
         from graphamp.compiled import compile_converted
 
@@ -139,12 +143,25 @@ def convert(
     return amp
 
 
+def _self_check(
+    amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, on_drift: str, diagnose: bool = True,
+) -> Any:
+    """The self-check for ``amp``'s kind; ``diagnose=False``: a difference raises at once, unlocated
+    (:func:`graphamp.self_check.check_against_eager`; the FSDP check always says where)."""
+    check = checker_for(amp)
+    if diagnose or check is not check_against_eager:
+        return check(amp, model, args, kwargs, spec, on_drift=on_drift)
+    return check(amp, model, args, kwargs, spec, on_drift="raise", diagnose=False)
+
+
 def _exact_again(
     model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, drift: PolicyDriftError, refused: CaptureError | None,
+    *, first: nn.Module | None = None,
 ) -> AmpModule:
     """After the self-check found ``drift``, the first other conversion the self-check proves exact:
     all-ones masks passed as None (where torch.export captured the model), then the capture on the
-    example's values; else ``drift`` is raised again.
+    example's values. Else ``drift`` is raised again; where it was found undiagnosed, ``first``
+    (the conversion that drifted) is checked again, diagnosed, to raise the located difference.
 
     torch.export traces on fake tensors, where model code that reads a tensor value or asks whether
     it is traced takes another program than eager, and torch.compile's graph breaks (the fallback
@@ -168,11 +185,14 @@ def _exact_again(
                 type(model).__name__, str(drift).strip().splitlines()[0][:200],
             )
         return amp
+    if first is not None and getattr(drift, "undiagnosed", False):
+        first.meta[SELF_CHECK_META] = _self_check(first, model, args, kwargs, spec, on_drift="raise")
+        return first  # the difference did not show again (it raises, as a rule)
     raise drift
 
 
 def _checked(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> AmpModule:
-    amp.meta[SELF_CHECK_META] = checker_for(amp)(amp, model, args, kwargs, spec, on_drift="raise")
+    amp.meta[SELF_CHECK_META] = _self_check(amp, model, args, kwargs, spec, on_drift="raise", diagnose=False)
     return amp
 
 
@@ -200,7 +220,7 @@ def _all_ones_masks_dropped(model: nn.Module, args: tuple, kwargs: dict, spec: A
         raise drift
     amp.__dict__[ALL_ONES_AS_NONE] = names
     try:
-        amp.meta[SELF_CHECK_META] = checker_for(amp)(amp, model, args, kwargs, spec, on_drift="raise")
+        amp.meta[SELF_CHECK_META] = _self_check(amp, model, args, kwargs, spec, on_drift="raise", diagnose=False)
     except PolicyDriftError:
         raise drift from None
     _log.info("graphamp: %s drops an all-ones %s by value; converted without it", type(model).__name__, ", ".join(names))

@@ -82,9 +82,16 @@ def checker_for(amp: nn.Module) -> Callable[..., SelfCheck]:
     return check_against_eager
 
 
-def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, on_drift: str) -> SelfCheck:
+def check_against_eager(
+    amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, on_drift: str, diagnose: bool = True,
+) -> SelfCheck:
     """Run the example through ``amp`` and through ``model`` under eager autocast; raise or warn on
-    any difference (``on_drift``), and return what was compared."""
+    any difference (``on_drift``), and return what was compared.
+
+    ``diagnose=False`` raises a difference (other than one under ``no_grad`` only, which warns as
+    always) at once, without locating it: for a caller that tries other conversions first and
+    checks again, diagnosing, only if none is exact (locating costs another run or a compile).
+    """
     start = time.perf_counter()
     grads = not spec.inference and any(p.requires_grad for p in model.parameters())
     try:
@@ -116,6 +123,13 @@ def check_against_eager(amp: nn.Module, model: nn.Module, args: tuple, kwargs: d
     if not problem:
         return SelfCheck(ok=True, grads=grads, seconds=time.perf_counter() - start)
     no_grad_only = problem.startswith("under torch.no_grad")
+    if not diagnose and not no_grad_only:
+        quick = PolicyDriftError(
+            f"graphamp.convert's self-check: the converted {type(model).__name__} differs from eager torch.autocast"
+            f"({spec.device_type}, {spec.dtype}) on the example: {problem}."
+        )
+        quick.undiagnosed = True
+        raise quick
     where, other_path = _first_divergence(
         amp, model, args, kwargs, spec, grads=grads and problem.startswith("gradient"), no_grad=no_grad_only
     )

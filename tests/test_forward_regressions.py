@@ -127,6 +127,24 @@ def test_mask_eager_drops_by_value_is_detected_and_converted_on_values(dtype):
     assert_exact(model, amp, args, {}, DTYPES[dtype])
 
 
+def test_a_difference_another_conversion_fixes_is_not_located(monkeypatch):
+    # Locating a difference (a run per node, or a torch.compile) is for the error the user sees:
+    # where the capture on values is exact, convert never pays for it.
+    import graphamp.self_check as self_check
+
+    def not_expected(*args, **kwargs):
+        raise AssertionError("located a difference that the capture on values makes exact")
+
+    monkeypatch.setattr(self_check, "_first_divergence", not_expected)
+    monkeypatch.setattr(self_check, "_torch_compile_verdict", not_expected)
+    torch.manual_seed(0)
+    model = MaskDroppedWhenAllOnes()
+    args = (torch.randn(2, 5, 16), torch.ones(2, 5, dtype=torch.long))
+    amp = graphamp.convert(model, args, dtype=torch.bfloat16)
+    assert amp.graphamp_info.capture == "values"
+    assert_exact(model, amp, args, {}, torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bridgetower_all_ones_mask_is_detected_and_converted_on_values(dtype):
     config_cls, model_cls = _transformers("BridgeTowerConfig"), _transformers("BridgeTowerModel")
