@@ -97,7 +97,7 @@ _TENSOR = "<tensor>"
 def input_signature(args: tuple, kwargs: dict) -> tuple[Any, tuple]:
     """The inputs' structure and non-tensor values, which a converted graph fixes (tensor sizes
     and values may vary); keyword order does not matter."""
-    leaves, spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
+    leaves, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in sorted(kwargs)}))
     return spec, tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
 
 
