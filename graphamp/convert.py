@@ -151,7 +151,7 @@ def _self_check(
     check = checker_for(amp)
     if diagnose or check is not check_against_eager:
         return check(amp, model, args, kwargs, spec, on_drift=on_drift)
-    return check(amp, model, args, kwargs, spec, on_drift="raise", diagnose=False)
+    return check(amp, model, args, kwargs, spec, on_drift=on_drift, diagnose=False)
 
 
 def _exact_again(
@@ -185,7 +185,7 @@ def _exact_again(
                 type(model).__name__, str(drift).strip().splitlines()[0][:200],
             )
         return amp
-    if first is not None and getattr(drift, "undiagnosed", False):
+    if first is not None and drift.undiagnosed:
         first.meta[SELF_CHECK_META] = _self_check(first, model, args, kwargs, spec, on_drift="raise")
         return first  # the difference did not show again (it raises, as a rule)
     raise drift

@@ -42,6 +42,10 @@ class PolicyDriftError(GraphampError, RuntimeError):
     eager gave it during capture, or convert's self-check finds an output, output dtype or gradient
     that differs on the example."""
 
+    # True where the self-check raised without locating the difference (convert then tries other
+    # conversions, and locates it only if none is exact).
+    undiagnosed: bool = False
+
 
 class PolicyDriftWarning(UserWarning):
     """``convert(..., self_check="warn")`` found a difference from eager autocast on the example (the

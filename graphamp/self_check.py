@@ -124,12 +124,12 @@ def check_against_eager(
         return SelfCheck(ok=True, grads=grads, seconds=time.perf_counter() - start)
     no_grad_only = problem.startswith("under torch.no_grad")
     if not diagnose and not no_grad_only:
-        quick = PolicyDriftError(
+        unlocated = PolicyDriftError(
             f"graphamp.convert's self-check: the converted {type(model).__name__} differs from eager torch.autocast"
             f"({spec.device_type}, {spec.dtype}) on the example: {problem}."
         )
-        quick.undiagnosed = True
-        raise quick
+        unlocated.undiagnosed = True
+        raise unlocated
     where, other_path = _first_divergence(
         amp, model, args, kwargs, spec, grads=grads and problem.startswith("gradient"), no_grad=no_grad_only
     )
