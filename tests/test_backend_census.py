@@ -2,6 +2,8 @@
 (issue 17): each test is the smallest construct, compared with eager autocast bitwise, or the
 typed graphamp error where the backend cannot be exact."""
 
+import contextlib
+
 import pytest
 import torch
 from helpers import _loss, assert_same_grads, assert_same_outputs, run_eager
@@ -165,3 +167,68 @@ class EagerOnlyDtypeCall(nn.Module):
 def test_eager_only_dtype_call_lends_no_constants():
     torch.manual_seed(0)
     assert_exact_compiled(EagerOnlyDtypeCall(), (torch.randn(2, 4),), ambient=False)
+
+
+# Code that switches autocast off only where it is on (transformers' maybe_autocast(...,
+# enabled=False): Flint's attention scores, Inkling's and HunYuan-VL's fp32 regions). Outside
+# torch.autocast dynamo traced it with no region, and graphamp's policy ran the region's matmul in
+# bf16 where eager autocast runs it in fp32 (census 2026-11-27: Flint's logits differed by 0.0039).
+
+class MaybeAutocastOff(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.q(x)
+        region = torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext()
+        with region:
+            scores = torch.matmul(h.float(), h.float().transpose(-1, -2)) * 0.5
+        return self.out(scores.softmax(-1).to(h.dtype) @ h)
+
+
+def test_a_region_eager_switches_autocast_off_in_is_followed_outside_autocast():
+    torch.manual_seed(0)
+    assert_exact_compiled(MaybeAutocastOff(), (torch.randn(2, 4, 8),), ambient=False)
+
+
+def test_the_region_markers_wrap_only_the_calls_from_the_off_sites():
+    from graphamp.backend.eager_regions import follow_eager_regions
+    from graphamp.backend.observe import node_call_site
+
+    def f(x):
+        a = x.sin()
+        b = a @ a
+        return b.cos() + a
+
+    gm = torch.fx.symbolic_trace(f)
+    for node in gm.graph.nodes:
+        node.meta["stack_trace"] = f'  File "model.py", line {3 if node.name == "matmul" else 9}, in f\n'
+    matmul = next(n for n in gm.graph.nodes if n.name == "matmul")
+    assert follow_eager_regions(gm, {node_call_site(matmul)}, device_type="cpu")
+    order = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    enter, exit_ = torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast
+    assert order.count(enter) == order.count(exit_) == 1
+    i = order.index(enter)
+    assert order[i + 1 : i + 3] == [matmul.target, exit_]
+    x = torch.randn(3, 3)
+    assert torch.equal(gm(x), f(x))
+    assert not follow_eager_regions(gm, set(), device_type="cpu")
+
+
+def test_flint_outside_autocast_is_bitwise():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "FlintConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Flint")
+    torch.manual_seed(0)
+    config = transformers.FlintConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )
+    model = transformers.FlintForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        want = model(input_ids=ids).logits
+    with torch.no_grad():
+        got = compiled(model)(input_ids=ids).logits
+    assert got.dtype == want.dtype and torch.equal(got, want)

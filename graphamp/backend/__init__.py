@@ -14,7 +14,8 @@ For each graph dynamo captures (one per graph break), the backend:
    key/value heads: :mod:`graphamp.backend.observe` runs the compiled frame once eagerly), and
    shares each parameter's cast between its uses, as autocast's cache does
    (:mod:`graphamp.backend.weight_casts`). Outside ``torch.autocast``, dynamo traced the model's
-   Python in fp32: where that Python passes other dtypes under autocast the backend warns, and a
+   Python in fp32: it gets the dtypes eager autocast's Python passes and the ``autocast(enabled=False)``
+   regions it enters (:mod:`graphamp.backend.eager_regions`); where it cannot, the backend warns, and a
    fill value that overflows the low dtype is an error (:mod:`graphamp.backend.fill_values`);
 4. hands the rewritten graph to AOTAutograd and the inner compiler (inductor, or eager graphs)
    with autocast off, and runs the compiled code with autocast off: graphamp's casts are the only
@@ -40,6 +41,7 @@ from graphamp.policy import DEVICE_TYPES
 from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type, resolve_dtype
 from graphamp.backend.options import BackendOptions
 from graphamp.backend.eager_dtypes import _ends_at_graph_break, follow_eager_dtypes
+from graphamp.backend.eager_regions import follow_eager_regions
 from graphamp.backend.eager_check import check_outputs
 from graphamp.backend.observe import Frame, compiled_frame, eager_run, observe_eager_frame
 from graphamp.backend.retrace import _retrace
@@ -93,6 +95,8 @@ def graphamp_backend(
         # Outside torch.autocast dynamo traced the model's Python in fp32: give the graph the dtypes
         # eager autocast's Python passes, and say so where it cannot.
         follow_eager_dtypes(gm, frame, device_type=device_type, dtype=spec.dtype, low=eager)
+        if eager is not None:
+            follow_eager_regions(gm, eager.autocast_off_sites, device_type=device_type)
         if _ends_at_graph_break(gm):
             _warn_code_between_graphs(device_type, spec.dtype)
     with autocast_off():

@@ -216,25 +216,34 @@ def call_name(func: Any) -> str:
 
 
 class _RecordDtypeCalls(TorchFunctionMode):
-    """Every call that passes dtype constants, in order."""
+    """Every call that passes dtype constants, in order; with ``device_type``, also the call sites
+    that run with that device's autocast on and those that run with it off."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str | None = None) -> None:
         super().__init__()
         self.calls: list[DtypeCall] = []
+        self.device_type = device_type
+        self.sites: dict[bool, set[str]] = {True: set(), False: set()}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         constants = dtype_constants(args, kwargs)
+        site = eager_call_site() if constants or self.device_type is not None else ""
         if constants:
-            self.calls.append(DtypeCall(call_name(func), constants, eager_call_site()))
+            self.calls.append(DtypeCall(call_name(func), constants, site))
+        if self.device_type is not None:
+            self.sites[torch.is_autocast_enabled(self.device_type)].add(site)
         return func(*args, **kwargs)
 
 
 class EagerRun(NamedTuple):
-    """What one eager run of the frame did: its calls passing dtype constants, and its result."""
+    """What one eager run of the frame did: its calls passing dtype constants, its result, and the
+    model code's call sites (file:line) that ran only with autocast switched off inside the
+    autocast run (``with torch.autocast(..., enabled=False)``: transformers' ``maybe_autocast``)."""
 
     calls: list[DtypeCall]
     result: Any
+    autocast_off_sites: frozenset[str] = frozenset()
 
 
 def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cache_enabled: bool = True) -> EagerRun | None:
@@ -242,7 +251,7 @@ def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cach
     autocast), buffers, Python caches and random state restored after and the seed fixed; None
     if it cannot run here."""
     call = _EagerCall(frame.fn, _modules_reached(frame))
-    recorder = _RecordDtypeCalls()
+    recorder = _RecordDtypeCalls(device_type if dtype is not None else None)
     region = ambient_autocast(device_type, dtype, cache_enabled=cache_enabled) if dtype is not None else contextlib.nullcontext()
     try:
         args, kwargs = _fresh_arguments(frame)
@@ -251,7 +260,8 @@ def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cach
             result = call(*args, **kwargs)
     except Exception:  # advisory, as the attention probe: code that cannot run here is not judged
         return None
-    return EagerRun(recorder.calls, result)
+    off = frozenset(recorder.sites[False] - recorder.sites[True] - {""})
+    return EagerRun(recorder.calls, result, off)
 
 
 def dtype_calls(frame: Frame, *, device_type: str, dtype: torch.dtype | None) -> list[DtypeCall] | None:
