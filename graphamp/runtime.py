@@ -154,7 +154,9 @@ def cached_cast(cache: WeightCache, param: torch.Tensor, dtype: torch.dtype) -> 
     tensor(...)
     >>> assert torch.equal(cached_cast(cache, w, torch.bfloat16), w.to(torch.bfloat16))
     """
-    if param.requires_grad and torch.is_grad_enabled():
+    if (param.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        # Traced by dynamo (convert(compile=True)): the cast itself, which inductor's freezing
+        # folds into a constant; the cache's version and pointer checks would break the graph.
         return torch.ops.aten._to_copy.default(param, dtype=dtype)
     # WeightCache.get's hit path, inlined: this runs once per weight per call.
     entry = cache._entries.get((id(param), dtype))
@@ -218,6 +220,35 @@ class InputGuard(nn.Module):
         # The model's conditions on sizes that no range says (batch != 1): (Python source over the
         # sizes, the sizes it reads, where the model tests it). Guards saved before have none.
         self.conditions = list(conditions)
+        self._prepare_conditions()
+
+    def _prepare_conditions(self) -> None:
+        # Each condition as a function, made here and after loading, not while dynamo traces the
+        # compiled path: dynamo traces calling it (a guard on the sizes), not making it (eval).
+        fns = []
+        for source, sizes, _ in self.__dict__.get("conditions", ()):
+            try:
+                fns.append(_condition(source, sizes))
+            except Exception:  # a source that does not compile: the check says False, as below
+                fns.append(None)
+        self.__dict__["_condition_fns"] = fns
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        state = dict(state)
+        state.pop("_condition_fns", None)  # functions made by eval do not pickle: made again on load
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._prepare_conditions()
+
+    def _condition_holds(self, i: int, source: str, sizes: tuple[str, ...], values: list[Any]) -> bool:
+        fns = self.__dict__.get("_condition_fns") or ()
+        fn = fns[i] if i < len(fns) else None
+        if fn is not None and torch.compiler.is_compiling():
+            return bool(fn(*values))
+        return size_condition_holds(source, sizes, values)
 
     def _fast_specs(self) -> tuple | bool:
         """Per input, what the fast path checks; False when some input needs the full check."""
@@ -285,13 +316,21 @@ class InputGuard(nn.Module):
                             + (f" (the graph was traced where the model's code tested {why})" if why else "")
                             + "."
                         )
-        for source, sizes, where in self.__dict__.get("conditions", ()):
-            if all(size in bound for size in sizes) and not size_condition_holds(source, sizes, [bound[size] for size in sizes]):
-                given = ", ".join(f"{size}={bound[size]}" for size in sizes)
-                raise InputShapeError(
-                    f"these inputs' sizes ({given}) fail the condition the model's code tested where the graph "
-                    f"was traced ({where}): eager would take another branch."
-                )
+        for i, (source, sizes, where) in enumerate(self.__dict__.get("conditions", ())):
+            if all(size in bound for size in sizes) and not self._condition_holds(i, source, sizes, [bound[size] for size in sizes]):
+                _refuse_sizes(sizes, [bound[size] for size in sizes], where)
+
+
+@torch.compiler.disable
+def _refuse_sizes(sizes: tuple[str, ...], values: list[int], where: str) -> None:
+    # Raised outside dynamo's trace (disable: a graph break, then this runs eagerly), so the error
+    # leaves the compiled code as it is: dynamo cannot trace the raise, and falling back to eager
+    # for the whole frame would run the converted module's reconversion inside the compiled call.
+    given = ", ".join(f"{size}={value}" for size, value in zip(sizes, values))
+    raise InputShapeError(
+        f"these inputs' sizes ({given}) fail the condition the model's code tested where the graph "
+        f"was traced ({where}): eager would take another branch."
+    )
 
 
 @functools.lru_cache(maxsize=256)

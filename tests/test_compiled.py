@@ -302,6 +302,57 @@ def test_another_shape_class_runs_uncompiled_and_exact():
     assert cm.runs_compiled and _close(cm(five), _autocast(model, five))  # the example's class: compiled
 
 
+def test_a_size_condition_compiles_into_one_region_and_batch_one_still_falls_back():
+    # The guard's size condition (batch != 1) was made by eval inside an lru_cache, which dynamo
+    # cannot trace: every call of the compiled module ran the check eagerly at a graph break
+    # (transformers' masking_utils gives every decoder this condition: GPT-2 ran 5 regions per call).
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = BatchNotOne()
+    cm = graphamp.convert(model, (torch.randn(3, 4),), compile=True, inference=True)
+    assert cm.amp._graphamp_guard.conditions
+    counters.clear()
+    five = torch.randn(5, 4)
+    assert _close(cm(five), _autocast(model, five))
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    one = torch.randn(1, 4)
+    with pytest.warns(CompileFallbackWarning):
+        assert torch.equal(cm(one), _autocast(model, one))
+
+
+def test_a_saved_guard_makes_its_condition_functions_again(tmp_path):
+    # The guard keeps each condition as a function made by eval, which does not pickle: it is left
+    # out of the saved state and made again on load (and on deepcopy).
+    model = BatchNotOne()
+    amp = graphamp.convert(model, (torch.randn(3, 4),))
+    torch.save(amp, tmp_path / "amp.pt")
+    for loaded in (torch.load(tmp_path / "amp.pt", weights_only=False), copy.deepcopy(amp)):
+        assert loaded._graphamp_guard.conditions and all(loaded._graphamp_guard.__dict__["_condition_fns"])
+        for batch in (1, 3):
+            x = torch.randn(batch, 4)
+            assert torch.equal(loaded(x), _autocast(model, x))
+
+
+def test_the_weight_cache_stays_out_of_the_compiled_graph():
+    # Without inference=True and called under no_grad, the converted code reads its weights through
+    # the weight cache, whose version and pointer checks dynamo cannot trace (BERT: 33 graphs and
+    # the recompile limit). Traced, the cache is a plain cast.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = _block()
+    x = torch.randn(4, 16)
+    cm = graphamp.convert(model.eval(), (x,), compile=True)
+    counters.clear()
+    with torch.no_grad():
+        for _ in range(3):
+            y = cm(x)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 1
+    assert _close(y, _autocast(model, x))
+
+
 def test_verify_reports_the_compiled_drift_apart_from_ok():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16))
