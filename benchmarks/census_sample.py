@@ -28,7 +28,7 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "hf/detr": FORWARD,
     "hf/t5gemma": FORWARD,
     # Longformer's cause (torch.export refuses a data-dependent branch) is shown by ViLT here and by
-    # FSMT in tests/test_capture_fallback.py; T5's outputs and gradients are in tests/test_grad_zoo.py.
+    # FSMT in tests/test_capture_fallback.py.
     # Swin's batch-1 branch (the "batch" cause) is tested on a smaller Swin in
     # tests/test_capture_fallback.py::test_swin_takes_batch_one_after_batch_two: the census's Swin
     # took 89-123 s of CI's sample (torch.export's sympy work on its symbolic window sizes).
@@ -45,7 +45,8 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "hf/flint": ("backend",),
 }
 
-# Models graphamp converts today, across families; a few run every check.
+# Models graphamp converts today, across families; a few run every check. (T5's outputs and
+# gradients are in tests/test_grad_zoo.py.)
 CONVERTING: dict[str, tuple[str, ...]] = {
     "hf/bert": ALL,
     "hf/llama": ALL,

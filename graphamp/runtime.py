@@ -234,8 +234,7 @@ class InputGuard(nn.Module):
         self.__dict__["_condition_fns"] = fns
 
     def __getstate__(self) -> dict:
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
-        state = dict(state)
+        state = self.__dict__.copy()
         state.pop("_condition_fns", None)  # functions made by eval do not pickle: made again on load
         return state
 
@@ -317,8 +316,11 @@ class InputGuard(nn.Module):
                             + "."
                         )
         for i, (source, sizes, where) in enumerate(self.__dict__.get("conditions", ())):
-            if all(size in bound for size in sizes) and not self._condition_holds(i, source, sizes, [bound[size] for size in sizes]):
-                _refuse_sizes(sizes, [bound[size] for size in sizes], where)
+            if not all(size in bound for size in sizes):
+                continue
+            values = [bound[size] for size in sizes]
+            if not self._condition_holds(i, source, sizes, values):
+                _refuse_sizes(sizes, values, where)
 
 
 @torch.compiler.disable
