@@ -1,6 +1,7 @@
 """torch.compile(backend="graphamp", options={"inner": "eager"}) is bitwise eager autocast where
 dynamo's graph alone would not be: attention that eager runs with grouped key/value heads, a
-weight that autocast's cache casts once for two uses, and nn.LSTM on the kernel eager picks here.
+weight that autocast's cache casts once for two uses, nn.LSTM on the kernel eager picks here, and
+(without grad) ops AOTAutograd would decompose.
 
 Every check compares with eager autocast on the machine the test runs on.
 """
@@ -331,6 +332,34 @@ def test_lstm_inference_takes_eagers_kernel_on_this_machine(dtype):
     with torch._dynamo.config.patch(allow_rnn=True), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
         expected = model(x)
         got = compiled(model, dtype)(x)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+class Upsampler(nn.Module):
+    """Gemma3n's vision tower (timm's MobileNetV5 fusion adapter) resizes its fp32 features bilinearly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return F.interpolate(self.conv(x).float(), size=(11, 11), mode="bilinear")
+
+
+@pytest.mark.parametrize("outside", [False, True], ids=["inside-autocast", "outside-autocast"])
+def test_inference_runs_the_rewritten_graph_itself(outside):
+    # AOTAutograd decomposes upsample_bilinear2d into index arithmetic, 1 ulp off eager's kernel
+    # (torch.compile's own aot_eager differs below): without grad inner="eager" needs no
+    # AOTAutograd and runs graphamp's graph, whose ATen ops are eager's.
+    torch.manual_seed(0)
+    model, x = Upsampler().eval(), torch.randn(2, 3, 10, 10)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+        aot = torch.compile(model, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    assert not torch.equal(aot, expected), "AOTAutograd runs eager's kernel here now: the test shows nothing"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=not outside):
+        got = compiled(model, torch.bfloat16)(x)
     assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 

@@ -19,7 +19,9 @@ For each graph dynamo captures (one per graph break), the backend:
    fill value that overflows the low dtype is an error (:mod:`graphamp.backend.fill_values`);
 4. hands the rewritten graph to AOTAutograd and the inner compiler (inductor, or eager graphs)
    with autocast off, and runs the compiled code with autocast off: graphamp's casts are the only
-   ones applied, whether or not the call sits inside a ``torch.autocast`` region.
+   ones applied, whether or not the call sits inside a ``torch.autocast`` region. A graph without
+   grad under ``inner="eager"`` skips AOTAutograd and runs as rewritten: AOTAutograd's
+   decompositions (``upsample_bilinear2d``'s index arithmetic) round otherwise than eager's kernels.
 
 The backend is registered under the ``torch_dynamo_backends`` entry point, so ``backend="graphamp"``
 works after ``pip install`` without importing graphamp.
@@ -101,7 +103,7 @@ def graphamp_backend(
             _warn_code_between_graphs(device_type, spec.dtype)
     with autocast_off():
         amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=frame)
-        compiled = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, mode))
+        compiled = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, mode, inference=inference))
     if exact and opts.self_check and not _ends_at_graph_break(gm):
         # inner="eager" claims bitwise: check what runs (AOTAutograd decomposes some ops in
         # training). Inductor's code rounds otherwise by design: check graphamp's graph.
@@ -176,8 +178,11 @@ def _enables_grad(gm: GraphModule) -> bool:
     )
 
 
-def _hand_off(amp_gm: GraphModule, example_inputs: Sequence[Any], inner: str, mode: str | None) -> Callable[..., Any]:
-    """Compile the rewritten graph with AOTAutograd and the inner compiler."""
+def _hand_off(amp_gm: GraphModule, example_inputs: Sequence[Any], inner: str, mode: str | None, *, inference: bool = False) -> Callable[..., Any]:
+    """Compile the rewritten graph with AOTAutograd and the inner compiler; inner="eager" without
+    grad runs the graph itself (its ATen ops are eager's; AOTAutograd would decompose some)."""
+    if inner == "eager" and inference:
+        return amp_gm.forward
     if inner == "eager":
         from torch._dynamo.backends.common import aot_autograd
 
