@@ -24,10 +24,13 @@ __all__ = ["SdpaCall", "eager_sdpa_calls"]
 
 
 class SdpaCall(NamedTuple):
-    """One eager call of ``F.scaled_dot_product_attention``: whether key/value heads were grouped."""
+    """One eager call of ``F.scaled_dot_product_attention``: whether key/value heads were grouped,
+    whether it passed a mask, and ``is_causal``."""
 
     enable_gqa: bool
     kv_heads: int
+    masked: bool = False
+    is_causal: bool = False
 
 
 class _RecordSdpa(TorchFunctionMode):
@@ -39,7 +42,10 @@ class _RecordSdpa(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             key = args[1] if len(args) > 1 else kwargs["key"]
-            self.calls.append(SdpaCall(bool(kwargs.get("enable_gqa", False)), int(key.shape[-3]) if key.dim() >= 3 else 1))
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            is_causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+            heads = int(key.shape[-3]) if key.dim() >= 3 else 1
+            self.calls.append(SdpaCall(bool(kwargs.get("enable_gqa", False)), heads, mask is not None, bool(is_causal)))
         return func(*args, **kwargs)
 
 
@@ -48,7 +54,10 @@ def _state_restored(model: nn.Module) -> Iterator[None]:
     # A forward in training mode updates batch-norm statistics and draws dropout masks; some
     # models also fill Python caches (timm's LeViT: attention_bias_cache[device] in eval), which
     # a probe run at compile time must not leave behind: dynamo guarded on their contents.
-    saved = {name: buf.clone() for name, buf in model.named_buffers()}
+    # Only a buffer the run wrote is copied back: a copy_ bumps the version counter, and autograd
+    # refuses a backward through a tensor saved before it (a compile-time probe between a graph's
+    # forward and its backward: Gemma's embed_scale, saved by the embedding graph's multiply).
+    saved = {name: (buf._version, buf.clone()) for name, buf in model.named_buffers()}
     containers = [
         (value, copy.copy(value))
         for m in model.modules()
@@ -61,8 +70,9 @@ def _state_restored(model: nn.Module) -> Iterator[None]:
         finally:
             with torch.no_grad():
                 for name, buf in model.named_buffers():
-                    if name in saved:
-                        buf.copy_(saved[name])
+                    # (A kernel's own write, batch norm's running statistics, leaves the version.)
+                    if name in saved and (buf._version != saved[name][0] or not torch.equal(buf, saved[name][1])):
+                        buf.copy_(saved[name][1])
             for value, before in containers:  # in place: code and guards hold these objects
                 value.clear()
                 value.update(before) if not isinstance(value, list) else value.extend(before)

@@ -6,6 +6,8 @@ import contextlib
 
 import pytest
 import torch
+
+import graphamp
 from helpers import _loss, assert_same_grads, assert_same_outputs, run_eager
 from torch import nn
 
@@ -232,3 +234,81 @@ def test_flint_outside_autocast_is_bitwise():
     with torch.no_grad():
         got = compiled(model)(input_ids=ids).logits
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+# A mask eager drops by value (hf/paligemma, hf/colpali, hf/aimv2): transformers calls SDPA without
+# the all-ones padding mask in eager (PaliGemma then attends bidirectionally, AIMv2's text tower
+# without its causal mask) but builds the mask when compiled. The backend compiles eager's program
+# and dynamo's, and picks per call by the graph's mask: bitwise on the all-ones mask and on a
+# padded one, forward and gradients. (In training the model breaks into graphs: the eager run that
+# observes a later graph at compile time must not bump a buffer's version that an earlier graph saved
+# for its backward, Gemma's embed_scale.)
+
+def _tiny_paligemma():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.PaliGemmaConfig(
+        text_config=dict(model_type="gemma", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64, vocab_size=120, head_dim=16, use_cache=False),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                           image_size=32, patch_size=16),
+        image_token_index=100, vocab_size=120, projection_dim=32,
+    )
+    model = transformers.PaliGemmaForConditionalGeneration(config)
+    ids = torch.cat([torch.full((2, 4), 100), torch.randint(0, 99, (2, 5))], 1)
+    return model, dict(input_ids=ids, pixel_values=torch.randn(2, 3, 32, 32), use_cache=False)
+
+
+def _padded(kwargs):
+    mask = torch.ones_like(kwargs["input_ids"])
+    mask[1, -2:] = 0
+    return {**kwargs, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["no_grad", "train"])
+def test_a_mask_eager_drops_by_value_is_followed_per_call(train):
+    model, kwargs = _tiny_paligemma()
+    model.train(train)
+    ones = {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
+    cm = compiled(model)
+    for call in (ones, _padded(kwargs), ones):  # eager's program, dynamo's, eager's again: no recompile
+        ref, ref_grads = run_eager(model, (), call, torch.bfloat16, grads=train)
+        if train:
+            model.zero_grad(set_to_none=True)
+            out = cm(**call)
+            _loss(out).backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            assert_same_grads(grads, ref_grads)
+        else:
+            with torch.no_grad():
+                out = cm(**call)
+        assert_same_outputs(out, ref)
+
+
+def test_without_the_split_the_dropped_mask_really_differs(monkeypatch):
+    import graphamp.backend as backend
+
+    monkeypatch.setattr(backend, "split_dropped_masks", lambda *a, **k: None)
+    model, kwargs = _tiny_paligemma()
+    model.eval()
+    call = {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
+    ref, _ = run_eager(model, (), call, torch.bfloat16, grads=False)
+    with pytest.warns(graphamp.EagerPathWarning, match="differ from eager"), torch.no_grad():
+        out = compiled(model)(**call)
+    assert not torch.equal(out.logits, ref.logits)
+
+
+def test_mask_patterns():
+    from graphamp.backend.dropped_masks import MaskPattern
+
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert MaskPattern.of(causal[None, None].expand(2, 1, 4, 4)).matches(torch.ones(6, 6, dtype=torch.bool).tril())
+    padded = causal.clone()
+    padded[:, 0] = False
+    assert not MaskPattern.of(causal).matches(padded)
+    additive = torch.zeros(2, 1, 3, 3)
+    assert MaskPattern.of(additive).kind == "all" and not MaskPattern.of(additive).matches(torch.tensor([[0.0, -1e9]]))
+    other = MaskPattern.of(padded)
+    assert other.kind == "values" and other.matches(padded.clone()) and not other.matches(causal)

@@ -46,6 +46,8 @@ from graphamp.backend.eager_dtypes import _ends_at_graph_break, follow_eager_dty
 from graphamp.backend.eager_regions import follow_eager_regions
 from graphamp.backend.eager_check import check_outputs
 from graphamp.backend.observe import Frame, compiled_frame, eager_run, observe_eager_frame
+from graphamp.backend.dropped_masks import dispatch, eager_sdpa_calls_for, split_dropped_masks
+from graphamp.probe import SdpaCall
 from graphamp.backend.retrace import _retrace
 from graphamp.backend.fill_values import check_fill_values
 from graphamp.backend.options import INNER_COMPILERS
@@ -101,25 +103,36 @@ def graphamp_backend(
             follow_eager_regions(gm, eager.autocast_off_sites, device_type=device_type)
         if _ends_at_graph_break(gm):
             _warn_code_between_graphs(device_type, spec.dtype)
+    # Where eager's Python dropped an input-dependent attention mask by value, eager's program and
+    # dynamo's are both compiled, and each call picks by the mask (graphamp.backend.dropped_masks).
+    sdpa_calls = eager_sdpa_calls_for(gm, frame, device_type=device_type, dtype=spec.dtype) if exact else None
+    split = split_dropped_masks(gm, sdpa_calls, example_inputs)
     with autocast_off():
-        amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=frame)
+        amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=[] if split else sdpa_calls)
         compiled = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, mode, inference=inference))
+        if split is not None:
+            amp_gm = rewrite(split.eager_program, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=sdpa_calls)
+            eager_program = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, mode, inference=inference))
+            compiled = dispatch(split, eager_program, compiled)
     if exact and opts.self_check and not _ends_at_graph_break(gm):
         # inner="eager" claims bitwise: check what runs (AOTAutograd decomposes some ops in
-        # training). Inductor's code rounds otherwise by design: check graphamp's graph.
+        # training). Inductor's code rounds otherwise by design: check graphamp's graph (the
+        # example's program, where there are two).
         check_outputs(compiled if opts.inner == "eager" else amp_gm, example_inputs, frame, eager, graph=amp_gm)
     return compiled
 
 
 def rewrite(
     gm: GraphModule, example_inputs: Sequence[Any], spec: AmpSpec, *, ambient: bool = False, frame: Frame | None = None,
+    sdpa_calls: list[SdpaCall] | None = None,
 ) -> GraphModule:
     """Re-trace dynamo's graph to pre-dispatch ATen and insert the policy's casts.
 
     ``spec.inference`` declares the graph runs under ``no_grad`` only, so casts are shared freely;
     ``ambient`` says dynamo traced inside an autocast region (it only changes warnings and errors);
     ``frame`` is the code dynamo compiled and its arguments, run eagerly where the graph may hold
-    another program than eager's (see :mod:`graphamp.backend.observe`).
+    another program than eager's (see :mod:`graphamp.backend.observe`); ``sdpa_calls``, eager's
+    attention calls when already observed (``[]``: follow none, the graph is dynamo's program).
 
     >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
     >>> amp_gm = rewrite(gm, [torch.randn(2, 4)], AmpSpec("cpu", torch.bfloat16, target="aot"))
@@ -127,7 +140,7 @@ def rewrite(
     """
     policy = spec.policy
     amp_gm = _retrace(gm, example_inputs, policy, ambient=ambient)
-    observe_eager_frame(amp_gm, device_type=spec.device_type, dtype=spec.dtype, frame=frame)
+    observe_eager_frame(amp_gm, device_type=spec.device_type, dtype=spec.dtype, frame=frame, calls=sdpa_calls)
     run_passes(amp_gm, spec, build_pipeline(spec, check=False))
     share_parameter_casts(amp_gm, example_inputs)
     if not ambient:

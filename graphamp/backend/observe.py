@@ -141,17 +141,21 @@ def eager_frame_sdpa_calls(frame: Frame, *, device_type: str, dtype: torch.dtype
     return eager_sdpa_calls(call, args, kwargs, device_type=device_type, dtype=dtype)
 
 
-def observe_eager_frame(gm: GraphModule, *, device_type: str, dtype: torch.dtype, frame: Frame | None) -> None:
+def observe_eager_frame(
+    gm: GraphModule, *, device_type: str, dtype: torch.dtype, frame: Frame | None, calls: list[SdpaCall] | None = None,
+) -> None:
     """Record in ``gm.meta`` eager's SDPA calls for the graph's own, where the graph repeats
-    key/value heads (the only program choice graphamp follows so far).
+    key/value heads (the program choice :mod:`graphamp.passes.follow_eager_attention` follows);
+    ``calls``: the frame's eager calls, already observed (the frame is then not run again).
 
     The graph holds the frame's program from its entry up to the end or the first graph break,
     so its SDPA calls are the first of the frame's eager calls.
     """
     nodes = gm.graph.find_nodes(op="call_function", target=SDPA)
-    if frame is None or not any(repeated_heads(n.args[1]) for n in nodes):
+    if (frame is None and calls is None) or not any(repeated_heads(n.args[1]) for n in nodes):
         return
-    calls = eager_frame_sdpa_calls(frame, device_type=device_type, dtype=dtype)
+    if calls is None:
+        calls = eager_frame_sdpa_calls(frame, device_type=device_type, dtype=dtype)
     if calls is not None and len(calls) >= len(nodes):
         gm.meta[EAGER_SDPA] = calls[: len(nodes)]
 

@@ -1,0 +1,205 @@
+"""Follow eager where its Python dropped an attention mask by value: two programs, chosen per call.
+
+transformers drops a padding mask of all ones in eager and calls SDPA without a mask (and, for
+some models, then attends otherwise: PaliGemma bidirectionally, AIMv2's text tower without its
+causal mask); traced, it skips that value check and builds the mask, so dynamo's graph holds the
+masked program. Eager autocast is the reference, and which program eager runs depends on the
+mask's values, which no graph guard can express. So where the eager run of the frame (no grad,
+autocast on, the compiling flags off: :mod:`graphamp.backend.observe`) called SDPA without a mask
+where dynamo's graph passes one computed from an input, the backend compiles two programs:
+
+* eager's on the example: the graph with those masks dropped and ``is_causal`` as eager passed it;
+* dynamo's: the graph as traced, which is eager's where the mask is kept (padding).
+
+Each call first computes the graph's masks (a small graph of the mask's ops alone) and runs
+eager's program where every such mask has the pattern it had on the example (every position
+attends, or causal), dynamo's otherwise. That stands for eager's own test (the padding mask is all
+ones) as long as the sizes decide the rest of the mask, as they do in transformers' mask functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, GraphModule, Node
+
+from graphamp.backend.observe import Frame, eager_frame_sdpa_calls
+from graphamp.probe import SdpaCall
+from graphamp.spec import autocast_off
+
+__all__ = ["MaskPattern", "Split", "dispatch", "eager_sdpa_calls_for", "sdpa_nodes", "split_dropped_masks"]
+
+_TORCH_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+
+
+def sdpa_nodes(gm: GraphModule) -> list[Node]:
+    """Dynamo's (torch-level) SDPA calls, in graph order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _TORCH_SDPA]
+
+
+def _mask(node: Node) -> Any:
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+
+
+def _input_dependent(value: Any) -> bool:
+    """Whether a dynamo graph value is computed from a tensor input's values (not only its sizes)."""
+    if not isinstance(value, Node):
+        return False
+    seen, stack = set(), [value]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and isinstance(node.meta.get("example_value", node.meta.get("val")), torch.Tensor):
+            return True
+        if node.op == "call_method" and node.target in ("size", "dim", "numel"):
+            continue
+        if node.op == "call_function" and node.target in (getattr, torch.ops.aten.sym_size.int):
+            continue
+        stack.extend(node.all_input_nodes)
+    return False
+
+
+def eager_sdpa_calls_for(gm: GraphModule, frame: Frame | None, *, device_type: str, dtype: torch.dtype) -> list[SdpaCall] | None:
+    """The frame's eager SDPA calls, where one of the graph's SDPA calls takes a mask computed from
+    an input (else None: the frame is not run)."""
+    if frame is None or not any(_input_dependent(_mask(n)) for n in sdpa_nodes(gm)):
+        return None
+    return eager_frame_sdpa_calls(frame, device_type=device_type, dtype=dtype)
+
+
+def _attends(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+class MaskPattern(NamedTuple):
+    """What a mask looked like on the example: every position attends ("all"), causal ("causal"),
+    or anything else ("values": then only the same mask, position for position, matches).
+
+    >>> causal = torch.ones(3, 3, dtype=torch.bool).tril()
+    >>> p = MaskPattern.of(causal[None, None])
+    >>> p.kind, p.matches(torch.ones(4, 4, dtype=torch.bool).tril()), p.matches(torch.ones(3, 3, dtype=torch.bool))
+    ('causal', True, False)
+    >>> MaskPattern.of(torch.zeros(2, 1, 3, 3)).matches(torch.tensor([[0.0, float("-inf")]]))
+    False
+    """
+
+    kind: str
+    attends: torch.Tensor | None = None
+
+    @staticmethod
+    def of(mask: torch.Tensor) -> MaskPattern:
+        attends = _attends(mask)
+        if bool(attends.all()):
+            return MaskPattern("all")
+        if torch.equal(attends, _causal(attends)):
+            return MaskPattern("causal")
+        return MaskPattern("values", attends.clone())
+
+    def matches(self, mask: torch.Tensor) -> bool:
+        attends = _attends(mask)
+        if self.kind == "all":
+            return bool(attends.all())
+        if self.kind == "causal":
+            return torch.equal(attends, _causal(attends))
+        return attends.shape == self.attends.shape and torch.equal(attends, self.attends)
+
+
+def _causal(attends: torch.Tensor) -> torch.Tensor:
+    q, k = attends.shape[-2:]
+    return torch.ones(q, k, dtype=torch.bool, device=attends.device).tril(k - q).expand(attends.shape)
+
+
+class Split(NamedTuple):
+    """Eager's program on the example (masks dropped), the graph of the masks, and their patterns."""
+
+    eager_program: GraphModule
+    masks: GraphModule
+    patterns: list[MaskPattern]
+
+
+def split_dropped_masks(gm: GraphModule, calls: Sequence[SdpaCall] | None, example_inputs: Sequence[Any]) -> Split | None:
+    """The split where eager called one of ``gm``'s SDPA calls without the input-dependent mask the
+    graph passes it; None where it did not (or the eager calls do not line up with the graph's)."""
+    nodes = sdpa_nodes(gm)
+    if not nodes or calls is None or len(calls) < len(nodes):
+        return None
+    dropped = [(i, call) for i, (node, call) in enumerate(zip(nodes, calls)) if not call.masked and _input_dependent(_mask(node))]
+    if not dropped:
+        return None
+    masks = _mask_graph(gm, [_mask(nodes[i]) for i, _ in dropped])
+    try:
+        with torch.no_grad(), autocast_off():
+            values = masks(*[_hint(x) for x in example_inputs])
+        patterns = [MaskPattern.of(v) for v in values]
+    except Exception:  # a mask that cannot be computed here: keep dynamo's program alone
+        return None
+    return Split(_without_masks(gm, dict(dropped)), masks, patterns)
+
+
+def _hint(x: Any) -> Any:
+    return x.node.hint if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else x
+
+
+def _without_masks(gm: GraphModule, dropped: dict[int, SdpaCall]) -> GraphModule:
+    """A copy of ``gm`` whose SDPA calls numbered in ``dropped`` take no mask and eager's ``is_causal``."""
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    copy = GraphModule(gm, graph)
+    for i, node in enumerate(sdpa_nodes(copy)):
+        if i in dropped:
+            args, kwargs = list(node.args[:3]), dict(node.kwargs)
+            kwargs.update({"attn_mask": None, "is_causal": dropped[i].is_causal})
+            for position, name in enumerate(("attn_mask", "dropout_p", "is_causal", "scale"), start=3):
+                if len(node.args) > position and name not in ("attn_mask", "is_causal"):
+                    kwargs.setdefault(name, node.args[position])
+            node.args, node.kwargs = tuple(args), kwargs
+    copy.graph.eliminate_dead_code()
+    copy.recompile()
+    return copy
+
+
+def _mask_graph(gm: GraphModule, masks: list[Node]) -> GraphModule:
+    """A graph taking ``gm``'s inputs and returning ``masks``, computed by the same nodes."""
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    needed = _ancestors(masks)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or node in needed:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[m] for m in masks))
+    return GraphModule(gm, graph)
+
+
+def _ancestors(nodes: list[Node]) -> set[Node]:
+    seen: set[Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def dispatch(split: Split, eager_program: Callable[..., Any], traced_program: Callable[..., Any]) -> Callable[..., Any]:
+    """A call of the compiled graph: eager's program where every dropped mask has its example's
+    pattern, dynamo's otherwise. Both programs take the same (boxed or unboxed) arguments."""
+    boxed = bool(getattr(traced_program, "_boxed_call", False))
+
+    def run(*args: Any) -> Any:
+        flat = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
+        with torch.no_grad(), autocast_off():
+            values = split.masks(*flat)
+        follows_eager = all(p.matches(v) for p, v in zip(split.patterns, values))
+        return (eager_program if follows_eager else traced_program)(*args)
+
+    if boxed:
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run
