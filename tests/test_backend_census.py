@@ -9,6 +9,7 @@ import torch
 
 import graphamp
 from helpers import _loss, assert_same_grads, assert_same_outputs, run_eager
+import torch.nn.functional as F
 from torch import nn
 
 # The backend tests' own helpers: an empty dynamo cache per test (autouse), inner="eager".
@@ -312,3 +313,35 @@ def test_mask_patterns():
     assert MaskPattern.of(additive).kind == "all" and not MaskPattern.of(additive).matches(torch.tensor([[0.0, -1e9]]))
     other = MaskPattern.of(padded)
     assert other.kind == "values" and other.matches(padded.clone()) and not other.matches(causal)
+
+
+class DropsAnAllOnesMask(nn.Module):
+    """transformers' pattern in small: an all-ones padding mask is dropped in eager only; and a
+    sum by an in-place ``index_add_`` whose result goes unused (a mixture-of-experts layer's, as
+    in hf/deepseek_v3), which the copy holding eager's program must keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        attn_mask = mask[:, None, None, :].bool()
+        if not torch.compiler.is_compiling() and bool(mask.all()):
+            attn_mask = None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
+        total = torch.zeros_like(out)
+        total.index_add_(0, torch.arange(out.shape[0]), out)
+        return total
+
+
+def test_the_program_without_the_mask_keeps_in_place_writes():
+    torch.manual_seed(0)
+    model, x = DropsAnAllOnesMask().eval(), torch.randn(2, 6, 8)
+    padded = torch.ones(2, 6, dtype=torch.long)
+    padded[1, -2:] = 0
+    cm = compiled(model)
+    for mask in (torch.ones(2, 6, dtype=torch.long), padded):
+        ref, _ = run_eager(model, (x, mask), {}, torch.bfloat16, grads=False)
+        with torch.no_grad():
+            assert_same_outputs(cm(x, mask), ref)

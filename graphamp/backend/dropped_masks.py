@@ -160,7 +160,9 @@ def _without_masks(gm: GraphModule, dropped: dict[int, SdpaCall]) -> GraphModule
                 if len(node.args) > position and name not in ("attn_mask", "is_causal"):
                     kwargs.setdefault(name, node.args[position])
             node.args, node.kwargs = tuple(args), kwargs
-    copy.graph.eliminate_dead_code()
+    # No dead-code elimination here: FX's drops an in-place write whose result goes unused (a
+    # mixture-of-experts sum by index_add_, hf/deepseek_v3), and the re-trace leaves out what
+    # nothing reads anyway.
     copy.recompile()
     return copy
 
