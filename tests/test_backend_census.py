@@ -345,3 +345,39 @@ def test_the_program_without_the_mask_keeps_in_place_writes():
         ref, _ = run_eager(model, (x, mask), {}, torch.bfloat16, grads=False)
         with torch.no_grad():
             assert_same_outputs(cm(x, mask), ref)
+
+
+# A method cached by shape, device and dtype (transformers' compile_compatible_method_lru_cache:
+# DETR-family and SAM3 position embeddings, hf/maskformer and hf/sam3_vision_model): uncached while
+# compiling, cached in eager. An eager autocast call before compiling fills the bf16 entry, so the
+# backend's eager run made none of the calls inside, and could not give dynamo's fp32 trace of them
+# eager's dtypes.
+
+def _cached_embedding():
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+
+    class SinePosition(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        @staticmethod
+        @pytorch_utils.compile_compatible_method_lru_cache(maxsize=1)
+        def embedding(shape, device, dtype):
+            steps = torch.arange(1, shape[-1] + 1, dtype=dtype, device=device)
+            return (steps / shape[-1] * 3.14159).sin().expand(shape)
+
+        def forward(self, x):
+            h = self.proj(x)
+            return h + self.embedding(h.shape, h.device, h.dtype)
+
+    return SinePosition
+
+
+def test_a_cached_method_eager_filled_before_compiling_is_followed():
+    torch.manual_seed(0)
+    model, x = _cached_embedding()().eval(), torch.randn(2, 8)
+    ref, _ = run_eager(model, (x,), {}, torch.bfloat16, grads=False)  # fills the bf16 entry
+    with torch.no_grad():
+        out = compiled(model)(x)
+    assert_same_outputs(out, ref)

@@ -145,7 +145,9 @@ def test_a_difference_another_conversion_fixes_is_not_located(monkeypatch):
     assert_exact(model, amp, args, {}, torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# bf16 only: the mask's path does not depend on the dtype (fp16 took 15 s more of CI for the same path;
+# the small MaskDroppedWhenAllOnes above runs both).
+@pytest.mark.parametrize("dtype", ["bf16"])
 def test_bridgetower_all_ones_mask_is_detected_and_converted_on_values(dtype):
     config_cls, model_cls = _transformers("BridgeTowerConfig"), _transformers("BridgeTowerModel")
     torch.manual_seed(0)

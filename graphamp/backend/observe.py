@@ -255,6 +255,7 @@ def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cach
     autocast), buffers, Python caches and random state restored after and the seed fixed; None
     if it cannot run here."""
     call = _EagerCall(frame.fn, _modules_reached(frame))
+    _clear_method_caches(call)
     recorder = _RecordDtypeCalls(device_type if dtype is not None else None)
     region = ambient_autocast(device_type, dtype, cache_enabled=cache_enabled) if dtype is not None else contextlib.nullcontext()
     try:
@@ -266,6 +267,26 @@ def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cach
         return None
     off = frozenset(recorder.sites[False] - recorder.sites[True] - {""})
     return EagerRun(recorder.calls, result, off)
+
+
+def _clear_method_caches(call: nn.Module) -> None:
+    """Empty the ``functools.lru_cache`` of each method of the frame's modules' classes (transformers'
+    ``compile_compatible_method_lru_cache``: DETR-family and SAM3 position embeddings, cached by
+    shape, device and dtype and run uncached while compiling). Filled by an earlier eager call, the
+    cache would answer the eager run with no calls for it to record, where dynamo traced them; the
+    run fills it again with the same values (same arguments, same autocast)."""
+    seen: set[int] = set()
+    for module in call.modules():
+        for klass in type(module).__mro__:
+            if klass.__module__.startswith(("torch.", "graphamp.")) or id(klass) in seen:
+                continue
+            seen.add(id(klass))
+            for value in vars(klass).values():
+                value = getattr(value, "__func__", value)  # a staticmethod's or classmethod's function
+                for cell in getattr(value, "__closure__", None) or ():
+                    cached = cell.cell_contents if _filled(cell) else None
+                    if callable(getattr(cached, "cache_clear", None)) and callable(getattr(cached, "cache_info", None)):
+                        cached.cache_clear()
 
 
 def dtype_calls(frame: Frame, *, device_type: str, dtype: torch.dtype | None) -> list[DtypeCall] | None:
