@@ -267,38 +267,21 @@ def _padded(kwargs):
     return {**kwargs, "attention_mask": mask}
 
 
-@pytest.mark.parametrize("train", [False, True], ids=["no_grad", "train"])
-def test_a_mask_eager_drops_by_value_is_followed_per_call(train):
+def test_a_mask_eager_drops_by_value_is_followed_per_call_in_training():
+    # Forward and gradients; without grad, on DropsAnAllOnesMask below.
     model, kwargs = _tiny_paligemma()
-    model.train(train)
+    model.train()
     ones = {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
     cm = compiled(model)
     for call in (ones, _padded(kwargs), ones):  # eager's program, dynamo's, eager's again: no recompile
-        ref, ref_grads = run_eager(model, (), call, torch.bfloat16, grads=train)
-        if train:
-            model.zero_grad(set_to_none=True)
-            out = cm(**call)
-            _loss(out).backward()
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            model.zero_grad(set_to_none=True)
-            assert_same_grads(grads, ref_grads)
-        else:
-            with torch.no_grad():
-                out = cm(**call)
+        ref, ref_grads = run_eager(model, (), call, torch.bfloat16, grads=True)
+        model.zero_grad(set_to_none=True)
+        out = cm(**call)
+        _loss(out).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
         assert_same_outputs(out, ref)
-
-
-def test_without_the_split_the_dropped_mask_really_differs(monkeypatch):
-    import graphamp.backend as backend
-
-    monkeypatch.setattr(backend, "split_dropped_masks", lambda *a, **k: None)
-    model, kwargs = _tiny_paligemma()
-    model.eval()
-    call = {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
-    ref, _ = run_eager(model, (), call, torch.bfloat16, grads=False)
-    with pytest.warns(graphamp.EagerPathWarning, match="differ from eager"), torch.no_grad():
-        out = compiled(model)(**call)
-    assert not torch.equal(out.logits, ref.logits)
+        assert_same_grads(grads, ref_grads)
 
 
 def test_mask_patterns():
@@ -335,16 +318,33 @@ class DropsAnAllOnesMask(nn.Module):
         return total
 
 
+def _all_ones_and_padded():
+    padded = torch.ones(2, 6, dtype=torch.long)
+    padded[1, -2:] = 0
+    return torch.ones(2, 6, dtype=torch.long), padded
+
+
 def test_the_program_without_the_mask_keeps_in_place_writes():
     torch.manual_seed(0)
     model, x = DropsAnAllOnesMask().eval(), torch.randn(2, 6, 8)
-    padded = torch.ones(2, 6, dtype=torch.long)
-    padded[1, -2:] = 0
     cm = compiled(model)
-    for mask in (torch.ones(2, 6, dtype=torch.long), padded):
+    for mask in _all_ones_and_padded():
         ref, _ = run_eager(model, (x, mask), {}, torch.bfloat16, grads=False)
         with torch.no_grad():
             assert_same_outputs(cm(x, mask), ref)
+
+
+def test_without_the_split_the_dropped_mask_really_differs(monkeypatch):
+    import graphamp.backend as backend
+
+    monkeypatch.setattr(backend, "split_dropped_masks", lambda *a, **k: None)
+    torch.manual_seed(0)
+    model, x = DropsAnAllOnesMask().eval(), torch.randn(2, 6, 8)
+    ones, _ = _all_ones_and_padded()
+    ref, _ = run_eager(model, (x, ones), {}, torch.bfloat16, grads=False)
+    with pytest.warns(graphamp.EagerPathWarning, match="differ from eager"), torch.no_grad():
+        out = compiled(model)(x, ones)
+    assert not torch.equal(out, ref)
 
 
 # A method cached by shape, device and dtype (transformers' compile_compatible_method_lru_cache:
