@@ -273,7 +273,7 @@ def test_a_mask_eager_drops_by_value_is_followed_per_call_in_training():
     model.train()
     ones = {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
     cm = compiled(model)
-    for call in (ones, _padded(kwargs), ones):  # eager's program, dynamo's, eager's again: no recompile
+    for call in (ones, _padded(kwargs), ones):  # eager's program, dynamo's, eager's again
         ref, ref_grads = run_eager(model, (), call, torch.bfloat16, grads=True)
         model.zero_grad(set_to_none=True)
         out = cm(**call)
