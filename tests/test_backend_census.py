@@ -381,3 +381,15 @@ def test_a_cached_method_eager_filled_before_compiling_is_followed():
     with torch.no_grad():
         out = compiled(model)(x)
     assert_same_outputs(out, ref)
+
+
+def test_masks_that_cannot_be_computed_run_dynamos_program_and_say_so():
+    from graphamp.backend.dropped_masks import MaskPattern, Split, dispatch
+
+    def fails(*args):
+        raise RuntimeError("no mask here")
+
+    run = dispatch(Split(None, fails, [MaskPattern("all")]), lambda *a: "eager's", lambda *a: "dynamo's")
+    with pytest.warns(graphamp.EagerPathWarning, match="could not compute the attention masks"):
+        assert run(torch.ones(2)) == "dynamo's"
+    assert run(torch.ones(2)) == "dynamo's"  # warned once

@@ -15,10 +15,12 @@ Each call first computes the graph's masks (a small graph of the mask's ops alon
 eager's program where every such mask has the pattern it had on the example (every position
 attends, or causal), dynamo's otherwise. That stands for eager's own test (the padding mask is all
 ones) as long as the sizes decide the rest of the mask, as they do in transformers' mask functions.
+A call whose masks cannot be computed runs dynamo's program, with an ``EagerPathWarning`` once.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
 
 from graphamp.backend.observe import Frame, eager_frame_sdpa_calls
+from graphamp.errors import EagerPathWarning
 from graphamp.probe import SdpaCall
 from graphamp.spec import autocast_off
 
@@ -195,11 +198,26 @@ def dispatch(split: Split, eager_program: Callable[..., Any], traced_program: Ca
     pattern, dynamo's otherwise. Both programs take the same (boxed or unboxed) arguments."""
     boxed = bool(getattr(traced_program, "_boxed_call", False))
 
+    warned = []
+
     def run(*args: Any) -> Any:
         flat = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
-        with torch.no_grad(), autocast_off():
-            values = split.masks(*flat)
-        follows_eager = all(p.matches(v) for p, v in zip(split.patterns, values))
+        try:
+            with torch.no_grad(), autocast_off():
+                values = split.masks(*flat)
+            follows_eager = all(p.matches(v) for p, v in zip(split.patterns, values))
+        except Exception as e:  # never a crash where dynamo's program runs: it runs, and says so
+            if not warned:
+                warned.append(e)
+                warnings.warn(
+                    f"graphamp could not compute the attention masks that choose between eager's program and "
+                    f"dynamo's for this call ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
+                    "it runs dynamo's program, which differs from eager autocast's where eager drops an all-ones mask. "
+                    "Way out: graphamp.convert(model, ...) follows eager's program by its own guards.",
+                    EagerPathWarning,
+                    stacklevel=2,
+                )
+            follows_eager = False
         return (eager_program if follows_eager else traced_program)(*args)
 
     if boxed:
