@@ -30,12 +30,15 @@ from torch.fx import Graph, GraphModule, Node
 
 from graphamp.backend.observe import Frame, eager_frame_sdpa_calls
 from graphamp.errors import EagerPathWarning
+from graphamp.passes.graph_edit import ancestors, input_dependent
 from graphamp.probe import SdpaCall
 from graphamp.spec import autocast_off
 
 __all__ = ["MaskPattern", "Split", "dispatch", "eager_sdpa_calls_for", "sdpa_nodes", "split_dropped_masks"]
 
 _TORCH_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+# F.scaled_dot_product_attention's arguments after (query, key, value), in order.
+_SDPA_OPTIONAL = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def sdpa_nodes(gm: GraphModule) -> list[Node]:
@@ -47,30 +50,10 @@ def _mask(node: Node) -> Any:
     return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
 
 
-def _input_dependent(value: Any) -> bool:
-    """Whether a dynamo graph value is computed from a tensor input's values (not only its sizes)."""
-    if not isinstance(value, Node):
-        return False
-    seen, stack = set(), [value]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder" and isinstance(node.meta.get("example_value", node.meta.get("val")), torch.Tensor):
-            return True
-        if node.op == "call_method" and node.target in ("size", "dim", "numel"):
-            continue
-        if node.op == "call_function" and node.target in (getattr, torch.ops.aten.sym_size.int):
-            continue
-        stack.extend(node.all_input_nodes)
-    return False
-
-
 def eager_sdpa_calls_for(gm: GraphModule, frame: Frame | None, *, device_type: str, dtype: torch.dtype) -> list[SdpaCall] | None:
     """The frame's eager SDPA calls, where one of the graph's SDPA calls takes a mask computed from
     an input (else None: the frame is not run)."""
-    if frame is None or not any(_input_dependent(_mask(n)) for n in sdpa_nodes(gm)):
+    if frame is None or not any(input_dependent(_mask(n)) for n in sdpa_nodes(gm)):
         return None
     return eager_frame_sdpa_calls(frame, device_type=device_type, dtype=dtype)
 
@@ -131,7 +114,7 @@ def split_dropped_masks(gm: GraphModule, calls: Sequence[SdpaCall] | None, examp
     nodes = sdpa_nodes(gm)
     if not nodes or calls is None or len(calls) < len(nodes):
         return None
-    dropped = [(i, call) for i, (node, call) in enumerate(zip(nodes, calls)) if not call.masked and _input_dependent(_mask(node))]
+    dropped = [(i, call) for i, (node, call) in enumerate(zip(nodes, calls)) if not call.masked and input_dependent(_mask(node))]
     if not dropped:
         return None
     masks = _mask_graph(gm, [_mask(nodes[i]) for i, _ in dropped])
@@ -157,12 +140,9 @@ def _without_masks(gm: GraphModule, dropped: dict[int, SdpaCall]) -> GraphModule
     copy = GraphModule(gm, graph)
     for i, node in enumerate(sdpa_nodes(copy)):
         if i in dropped:
-            args, kwargs = list(node.args[:3]), dict(node.kwargs)
-            kwargs.update({"attn_mask": None, "is_causal": dropped[i].is_causal})
-            for position, name in enumerate(("attn_mask", "dropout_p", "is_causal", "scale"), start=3):
-                if len(node.args) > position and name not in ("attn_mask", "is_causal"):
-                    kwargs.setdefault(name, node.args[position])
-            node.args, node.kwargs = tuple(args), kwargs
+            positional = dict(zip(_SDPA_OPTIONAL, node.args[3:]))
+            node.kwargs = {**positional, **node.kwargs, "attn_mask": None, "is_causal": dropped[i].is_causal}
+            node.args = node.args[:3]
     # No dead-code elimination here: FX's drops an in-place write whose result goes unused (a
     # mixture-of-experts sum by index_add_, hf/deepseek_v3), and the re-trace leaves out what
     # nothing reads anyway.
@@ -174,23 +154,12 @@ def _mask_graph(gm: GraphModule, masks: list[Node]) -> GraphModule:
     """A graph taking ``gm``'s inputs and returning ``masks``, computed by the same nodes."""
     graph = Graph()
     env: dict[Node, Node] = {}
-    needed = _ancestors(masks)
+    needed = set(masks).union(*(ancestors(m) for m in masks))
     for node in gm.graph.nodes:
         if node.op == "placeholder" or node in needed:
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[m] for m in masks))
     return GraphModule(gm, graph)
-
-
-def _ancestors(nodes: list[Node]) -> set[Node]:
-    seen: set[Node] = set()
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return seen
 
 
 def dispatch(split: Split, eager_program: Callable[..., Any], traced_program: Callable[..., Any]) -> Callable[..., Any]:

@@ -394,6 +394,8 @@ def _guards_first(gm: GraphModule) -> None:
     state themselves (DETR checks ``isfinite`` after dropout) stays; the module then saves what the
     graph changes (buffers updated in place, the random state) and puts it back when a call is
     refused (``gm.meta[RESTORE_ON_REFUSAL]``)."""
+    from graphamp.passes.graph_edit import ancestors
+
     graph = gm.graph
     changes = [n for n in graph.nodes if _changes_state(n)]
     if not changes:
@@ -404,7 +406,7 @@ def _guards_first(gm: GraphModule) -> None:
     for guard in [n for n in graph.nodes if n.target in (guard_value, guard_size)]:
         if order[guard] < order[first]:
             continue
-        cone = _ancestors(guard)
+        cone = ancestors(guard)
         if any(_changes_state(n) for n in cone):
             stays = True
             continue
@@ -436,17 +438,6 @@ def _drop_dead(graph: Graph) -> None:
             and not _changes_state(node)
         ):
             graph.erase_node(node)
-
-
-def _ancestors(node: Node) -> set[Node]:
-    seen: set[Node] = set()
-    stack = list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _one_fake_mode(gm: GraphModule) -> None:
@@ -504,7 +495,7 @@ def guard_eager_reads(
     trace did not, so the graph is eager's program only for inputs whose reads give the example's
     values. A failing guard makes the module convert again for those inputs. Returns where eager
     reads values that no such guard can check (the caller warns)."""
-    from graphamp.passes.graph_edit import fake_mode_of, recompute_val
+    from graphamp.passes.graph_edit import ancestors, fake_mode_of, recompute_val
 
     if not eager_reads(model, args, kwargs, device_type=device_type, dtype=dtype):
         return []
@@ -543,7 +534,7 @@ def guard_eager_reads(
     env: dict[Node, Node] = dict(zip(theirs, ours))
     unguarded = []
     for guard in guards:
-        cone = sorted(_ancestors(guard), key=order.__getitem__)
+        cone = sorted(ancestors(guard), key=order.__getitem__)
         if not any(n.op == "placeholder" for n in cone):
             # No input's value reaches it: a read of sizes and the model's own tensors (Llama's
             # packed-sequence check on the position ids it builds with arange). Not checked per call:

@@ -24,7 +24,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.errors import EagerPathWarning
-from graphamp.passes.graph_edit import carried_meta, fake_mode_of, recompute_val, val_of
+from graphamp.passes.graph_edit import carried_meta, fake_mode_of, input_dependent, recompute_val, val_of
 from graphamp.node_info import info
 
 if TYPE_CHECKING:
@@ -66,23 +66,6 @@ def _erase_if_dead(gm: GraphModule, node: Node) -> None:
         node = source
 
 
-def _input_dependent(value: object) -> bool:
-    """Whether a graph value is computed from a tensor input (not only from sizes and constants)."""
-    if not isinstance(value, Node):
-        return False
-    seen, stack = set(), [value]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
-            return True
-        if node.target is not aten.sym_size.int:  # an input's size is not its values
-            stack.extend(node.all_input_nodes)
-    return False
-
-
 def _warn_mask_dependent(node: Node, call: object) -> None:
     stack = node.meta.get("nn_module_stack") or {}
     where = list(stack.values())[-1][0] if stack else "<root>"
@@ -109,7 +92,7 @@ def follow_eager_attention(gm: GraphModule, spec: AmpSpec) -> PassResult:
     modified = False
     for node, call in zip(nodes, eager):
         key, value = repeated_heads(node.args[1]), repeated_heads(node.args[2])
-        if key is not None and _input_dependent(node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")):
+        if key is not None and input_dependent(node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")):
             _warn_mask_dependent(node, call)
         if not call.enable_gqa or node.kwargs.get("enable_gqa"):
             continue

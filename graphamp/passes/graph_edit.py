@@ -15,15 +15,48 @@ from graphamp.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
 
 __all__ = [
-    "CAST_TARGET", "attr_of", "carried_meta", "cast_source", "dtypes_of", "fake_mode_of", "has_mutating_user",
-    "inline_subgraph", "insert_cast", "is_graphamp_cast", "is_mutating", "next_node", "recompute_val", "tensor_dtype",
-    "val_of",
+    "CAST_TARGET", "ancestors", "attr_of", "carried_meta", "cast_source", "dtypes_of", "fake_mode_of", "has_mutating_user",
+    "inline_subgraph", "input_dependent", "insert_cast", "is_graphamp_cast", "is_mutating", "next_node", "recompute_val",
+    "tensor_dtype", "val_of",
 ]
 
 aten = torch.ops.aten
 CAST_TARGET = aten._to_copy.default
 # What a node made from another (a cast for it, a node of its decomposition) inherits from it.
 _CARRIED = ("nn_module_stack", "stack_trace")
+
+
+def ancestors(node: Node) -> set[Node]:
+    """Every node ``node`` is computed from (not ``node`` itself)."""
+    seen: set[Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def input_dependent(value: Any) -> bool:
+    """Whether a graph value is computed from a tensor input's values, not only from its sizes and
+    constants (ATen graphs: ``val`` metadata, ``sym_size``; dynamo's: ``example_value``, ``size()``)."""
+    if not isinstance(value, Node):
+        return False
+    seen, stack = set(), [value]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and isinstance(node.meta.get("val", node.meta.get("example_value")), torch.Tensor):
+            return True
+        if node.op == "call_method" and node.target in ("size", "dim", "numel"):
+            continue
+        if node.op == "call_function" and node.target in (getattr, aten.sym_size.int):
+            continue
+        stack.extend(node.all_input_nodes)
+    return False
 
 
 def next_node(node: Node) -> Node | None:
