@@ -357,10 +357,11 @@ def test_inference_runs_the_rewritten_graph_itself(outside):
         expected = model(x)
         aot = torch.compile(model, backend="aot_eager")(x)
     torch._dynamo.reset()
-    assert not torch.equal(aot, expected), "AOTAutograd runs eager's kernel here now: the test shows nothing"
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=not outside):
         got = compiled(model, torch.bfloat16)(x)
     assert got.dtype == expected.dtype and torch.equal(got, expected)
+    if torch.equal(aot, expected):  # the decomposition's rounding depends on the CPU's kernels
+        pytest.skip("exact, but AOTAutograd's decomposition matches eager's kernel on this CPU: nothing to tell apart here")
 
 
 def test_lstm_kernel_question_is_eagers():
