@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv with graphamp on a fresh machine; idempotent, so both README commands call it.
 #   scripts/setup.sh [EXTRAS]     e.g. scripts/setup.sh test
+#   scripts/setup.sh --torch-only the venv and torch alone (scripts/test then installs the rest and
+#                                 the census site side by side)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extras="${1:-}"
@@ -11,6 +13,7 @@ vpy="$root/.venv/bin/python"
 if ! "$vpy" -c "import torch" 2>/dev/null; then
   "$vpy" -m pip install -q --disable-pip-version-check torch==2.13.0
 fi
+[ "$extras" = "--torch-only" ] && exit 0
 stamp="$root/.venv/.graphamp-${extras:-base}-$(cat "$root/pyproject.toml" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   "$vpy" -m pip install -q --disable-pip-version-check -e "$root${extras:+[$extras]}"

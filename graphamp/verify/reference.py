@@ -52,7 +52,9 @@ def trace(fn: Any, args: tuple, kwargs: dict, *, no_grad: bool = True) -> torch.
         a, k = pytree.tree_unflatten(filled, spec)
         return pytree.tree_leaves(fn(*a, **k))
 
-    with torch.set_grad_enabled(not no_grad):
+    from graphamp.capture.values import one_fake_mode_while_tracing
+
+    with torch.set_grad_enabled(not no_grad), one_fake_mode_while_tracing(flat):
         # Real tensors: data-dependent Python branches (mask checks in HF models) read real values.
         return make_fx(flat_fn, _error_on_data_dependent_ops=False)(*[flat[i] for i in tensors])
 
