@@ -34,6 +34,7 @@ from graphamp.convert import _convert
 from graphamp.emit import AmpModule
 from graphamp.errors import InputMismatchError
 from graphamp.probe import attribute_bound
+from graphamp.runtime import grad_casts_kept
 from graphamp.self_check import SELF_CHECK_META, applies, check_against_eager, check_self_check
 from graphamp.spec import AmpSpec, autocast_off, check_device
 
@@ -327,6 +328,8 @@ class TrainStep:
         self.compile = compile
         self._compiled: nn.Module | None = None  # the compiled model-and-loss, made on first use
         self._compiled_step: Any = None  # the compiled optimizer step (CompiledOptimizerStep)
+        # Each weight's low-precision cast, kept for one accumulation window (see _casts_kept).
+        self._window_casts: dict = {}
 
     @property
     def last_step_skipped(self) -> bool:
@@ -357,7 +360,7 @@ class TrainStep:
             if self.calls % self.accumulate == 0:
                 self.optimizer.zero_grad(set_to_none=True)
             last = (self.calls + 1) % self.accumulate == 0
-            with self._grad_sync(last):
+            with self._grad_sync(last), self._casts_kept():
                 loss = self._loss(args, kwargs, target)
                 scaled = loss / self.accumulate if self.accumulate > 1 else loss
                 if self.scaler is not None:
@@ -372,6 +375,7 @@ class TrainStep:
                     self._compiled_step = CompiledOptimizerStep(self.optimizer)
                 with self._compiled_step.bound() if self.compile else contextlib.nullcontext():
                     self._step()
+                self._window_casts.clear()
                 self.steps += 1
             return loss.detach()
 
@@ -407,6 +411,17 @@ class TrainStep:
                 f"loss_fn must return a scalar floating tensor, got {got}; reduce it (e.g. .mean())"
             )
         return loss
+
+    def _casts_kept(self) -> contextlib.AbstractContextManager:
+        """Under accumulation, each weight's low-precision cast once per window, not per micro-batch
+        (``runtime.grad_casts_kept``): the same values and gradients as eager's recasts. Not for the
+        compiled step (inductor fuses the casts) nor FSDP2 units (which refill gathered parameters
+        in place each forward)."""
+        from graphamp.integrations import fsdp
+
+        if self.accumulate == 1 or self.compile or self.module is None or fsdp.FSDP_META in self.module.meta:
+            return contextlib.nullcontext()
+        return grad_casts_kept(self._window_casts)
 
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         # DDP's canonical accumulation all-reduces once per window, on its last backward.

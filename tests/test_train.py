@@ -300,6 +300,56 @@ def test_accumulation_matches_the_canonical_accumulation_loop(scaler):
     assert_same_state(ours, eager, our_opt, eager_opt)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_accumulation_casts_each_weight_once_per_window_and_stays_bitwise(dtype, monkeypatch):
+    # BERT's weights are cast once per accumulation window (runtime.grad_casts_kept), where eager
+    # recasts them every micro-batch: same values, and gradients through the cast's own backward.
+    # Every weight of this small BERT is kept (by default only large ones are: keeping costs more).
+    monkeypatch.setattr(graphamp.runtime, "KEEP_CAST_MIN_NUMEL", 0)
+    task = make_task("bert", steps=4)
+    eager, ours = twins(task.model)
+    eager_opt, our_opt = adamw(eager), adamw(ours)
+    scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+    want = canonical_loop(eager, task.loss_fn, eager_opt, task.batches, dtype=dtype, scaler=scaler, max_grad_norm=1.0, accumulate=2)
+    step = graphamp.TrainStep(ours, task.loss_fn, our_opt, dtype=dtype, max_grad_norm=1.0, accumulate=2)
+    losses, kept = [], []
+    for i, (args, kwargs, target) in enumerate(task.batches):
+        if i == 2:  # a weight changed inside a window (its version moves): cast again, as eager would
+            with torch.no_grad():
+                ours.classifier.weight.mul_(1.0)
+                eager.classifier.weight.mul_(1.0)
+        losses.append(step(*args, target=target, **kwargs))
+        kept.append(len(step._window_casts))
+    linears = sum(isinstance(m, nn.Linear) for m in ours.modules())
+    assert kept[0] >= linears and kept == [kept[0], 0, kept[0], 0], kept  # kept within a window, dropped at its step
+    assert_same_losses(losses, want.losses)
+    assert_same_state(ours, eager, our_opt, eager_opt)
+
+
+@pytest.mark.parametrize("min_numel", [0, 1 << 30], ids=["kept", "too-small-to-keep"])
+def test_accumulation_reuses_the_kept_cast_within_a_window(min_numel, monkeypatch):
+    monkeypatch.setattr(graphamp.runtime, "KEEP_CAST_MIN_NUMEL", min_numel)
+    task = make_task("bert", steps=4)
+    step = graphamp.TrainStep(task.model, task.loss_fn, adamw(task.model), dtype=torch.bfloat16, accumulate=2)
+    weight = task.model.classifier.weight
+    casts = []
+
+    class CountWeightCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() == weight.data_ptr():
+                casts.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    for args, kwargs, target in task.batches[:2]:  # the first window converts and self-checks
+        step(*args, target=target, **kwargs)
+    with CountWeightCasts():
+        for args, kwargs, target in task.batches[2:]:
+            step(*args, target=target, **kwargs)
+    assert step.steps == 2
+    expected = 1 if min_numel == 0 else 2  # a weight below the threshold is cast per micro-batch, as eager does
+    assert len(casts) == expected, f"the classifier weight was cast {len(casts)} times in one window of 2 micro-batches"
+
+
 @pytest.mark.parametrize("scaler", ["own", "graph"])
 def test_resume_from_state_dict_continues_the_same_trajectory(scaler, tmp_path):
     task = with_inf_targets(make_task("checkerboard", steps=16), at=(5, 11))
