@@ -6,8 +6,9 @@ micro-batch (eager autocast, and TrainStep with the kept casts switched off), is
 
 Each variant trains its own copy of the model with AdamW: ``accumulate`` micro-batches (forward,
 loss / accumulate, backward), then the optimizer step. One measurement is one window; variants run
-in interleaved rounds in one process, and the table gives the median window time and its ratio to
-eager autocast. ``trainstep_recast`` is TrainStep with ``TrainStep._casts_kept`` replaced by a null
+in interleaved rounds (one window each, the order alternating) in one process, and the table gives
+the median window time and its ratio to eager autocast; the last column is the median over rounds of
+kept / recast. ``trainstep_recast`` is TrainStep with ``TrainStep._casts_kept`` replaced by a null
 context (the per-micro-batch casts of before 2026-11-28), so the two TrainStep rows differ only in
 the kept casts. Small micro-batches on wide layers are where weight casts weigh most.
 """
@@ -87,7 +88,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--threads", type=int, default=None)
     a = p.parse_args()
     if a.threads:
@@ -109,11 +110,11 @@ def main() -> None:
             fn(1)
         times: dict[str, list[float]] = {v: [] for v in variants}
         for r in range(a.rounds):
-            for v, fn in variants.items():
+            order = list(variants.items())
+            for v, fn in order if r % 2 else reversed(order):  # the order alternates between rounds
                 start = time.perf_counter()
-                for i in range(3):
-                    fn(r * 3 + i)
-                times[v].append((time.perf_counter() - start) / 3 * 1e3)
+                fn(r)
+                times[v].append((time.perf_counter() - start) * 1e3)
         med = {v: statistics.median(t) for v, t in times.items()}
         ratio = statistics.median([kt / rt for kt, rt in zip(times["kept"], times["recast"])])
         print(f"| {name} | {med['eager']:.1f} | {med['recast']:.1f} ({med['recast'] / med['eager']:.2f}) | "

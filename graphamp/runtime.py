@@ -172,10 +172,12 @@ def cached_cast(cache: WeightCache, param: torch.Tensor, dtype: torch.dtype) -> 
 
 
 _KEPT_CASTS = threading.local()
-# Below this many elements a weight's cast (about 5e9 elements/s on a 2-core AMD EPYC) is cheaper
-# than the kept cast's Python autograd.Function (about 15 us): such weights are cast per forward.
-# GPT-2 at hidden 256 ran 3-7% slower per window with every weight kept (2026-11-28).
-KEEP_CAST_MIN_NUMEL = 1 << 18
+# Below this many elements (2 MiB as bf16) a weight is cast per forward, as eager does: the fresh
+# cast leaves the low copy in cache for the matmul that reads it, and the kept cast's Python
+# autograd.Function costs about 15 us. Measured 2026-11-28 on a 2-core AMD EPYC (one linear, forward
+# and backward, kept / recast): 3072x768 0.72-0.89x, 1024x1024 0.83x, 768x768 0.59-1.06x, 256x1024
+# 1.02x; GPT-2 at hidden 256 with its 256x1024 weights kept ran 3-7% slower per window.
+KEEP_CAST_MIN_NUMEL = 1 << 20
 
 
 @contextlib.contextmanager
@@ -188,14 +190,14 @@ def grad_casts_kept(store: dict) -> Iterator[None]:
 
     Weights under ``KEEP_CAST_MIN_NUMEL`` elements are cast per forward: keeping them costs more.
 
-    >>> w = nn.Parameter(torch.randn(512, 512))
+    >>> w = nn.Parameter(torch.randn(1024, 1024))
     >>> store = {}
     >>> with grad_casts_kept(store):
     ...     a = cached_cast(WeightCache(), w, torch.bfloat16)
     ...     b = cached_cast(WeightCache(), w, torch.bfloat16)
     >>> assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and len(store) == 1
     >>> (a.float().sum() + b.float().sum()).backward()
-    >>> assert torch.equal(w.grad, torch.full((512, 512), 2.0))
+    >>> assert torch.equal(w.grad, torch.full((1024, 1024), 2.0))
     """
     previous = getattr(_KEPT_CASTS, "store", None)
     _KEPT_CASTS.store = store
