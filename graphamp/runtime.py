@@ -175,7 +175,7 @@ _KEPT_CASTS = threading.local()
 # Below this many elements (2 MiB as bf16) a weight is cast per forward, as eager does: the fresh
 # cast leaves the low copy in cache for the matmul that reads it, and the kept cast's Python
 # autograd.Function costs about 15 us. Measured 2026-11-28 on a 2-core AMD EPYC (one linear, forward
-# and backward, kept / recast): 3072x768 0.72-0.89x, 1024x1024 0.83x, 768x768 0.59-1.06x, 256x1024
+# and backward, kept / recast): 3072x768 0.68-0.89x, 1024x1024 0.83x, 768x768 0.59-1.06x, 256x1024
 # 1.02x; GPT-2 at hidden 256 with its 256x1024 weights kept ran 3-7% slower per window.
 KEEP_CAST_MIN_NUMEL = 1 << 20
 
