@@ -88,6 +88,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         # Gloo otherwise picks the interface the hostname resolves to, which may not be loopback.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
+    # Every weight's cast kept through an accumulation window (by default only large ones are), so
+    # the accumulating scenario runs DDP's gradient hooks behind the kept casts' backward.
+    graphamp.runtime.KEEP_CAST_MIN_NUMEL = 0
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
         results = {}
