@@ -419,7 +419,7 @@ class TrainStep:
         in place each forward)."""
         from graphamp.integrations import fsdp
 
-        if self.accumulate == 1 or self.compile or self.module is None or fsdp.FSDP_META in self.module.meta:
+        if self.accumulate == 1 or self.compile or fsdp.FSDP_META in self.module.meta:
             return contextlib.nullcontext()
         return grad_casts_kept(self._window_casts)
 
