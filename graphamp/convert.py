@@ -14,6 +14,7 @@ from torch import nn
 
 from graphamp import hardware
 from graphamp.capture import capture
+from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.capture.values import capture_by_values, guard_eager_reads
 from graphamp.capture.dynamo import dynamo_fallback, needs_graph_breaks
 from graphamp.config import Config
@@ -245,6 +246,7 @@ def check_inputs(model: object, args: object, kwargs: object, frontend: str) -> 
     return tuple(args), dict(kwargs or {})
 
 
+@source_lines_read_lazily()
 def _convert(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> AmpModule:
     """The conversion core every frontend calls: capture, observe eager, run the passes, emit.
 

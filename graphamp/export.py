@@ -21,6 +21,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from graphamp.capture.export import _dynamic_shapes
+from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.config import Config
 from graphamp.convert import _rewrite, check_inputs
 from graphamp.errors import ExportError
@@ -33,6 +34,7 @@ _LOW = (torch.float16, torch.bfloat16)
 _AUTOCAST_HOPS = (torch.ops.higher_order.wrap_with_autocast,)
 
 
+@source_lines_read_lazily()
 def export(
     model: nn.Module,
     args: tuple = (),

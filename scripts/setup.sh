@@ -10,12 +10,15 @@ py="${PYTHON:-python3}"
 [ -x "$root/.venv/bin/python" ] || "$py" -m venv "$root/.venv"
 vpy="$root/.venv/bin/python"
 # A CPU wheel of torch 2.13.0 lies on disk; a bare `pip install torch` would pull a multi-GB CUDA build.
+# --no-compile: pip would byte-compile every module of torch and transformers (about 30 s of a clean
+# set-up); the README commands instead let Python compile, once, only what is imported (they unset
+# PYTHONDONTWRITEBYTECODE for that).
 if ! "$vpy" -c "import torch" 2>/dev/null; then
-  "$vpy" -m pip install -q --disable-pip-version-check torch==2.13.0
+  "$vpy" -m pip install -q --no-compile --disable-pip-version-check torch==2.13.0
 fi
 [ "$extras" = "--torch-only" ] && exit 0
 stamp="$root/.venv/.graphamp-${extras:-base}-$(cat "$root/pyproject.toml" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
-  "$vpy" -m pip install -q --disable-pip-version-check -e "$root${extras:+[$extras]}"
+  "$vpy" -m pip install -q --no-compile --disable-pip-version-check -e "$root${extras:+[$extras]}"
   touch "$stamp"
 fi

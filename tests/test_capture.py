@@ -126,3 +126,26 @@ def test_conversion_leaves_no_trace_values_in_the_models_python_caches():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = model(x)
     assert torch.equal(amp(x), expected)
+
+
+def test_node_stack_traces_are_the_same_with_source_lines_read_lazily():
+    """capture.stacks reads a frame's source line only when a kept frame is formatted: every node's
+    stack trace is what torch records without it, and torch's function is back afterwards."""
+    import torch.utils._traceback as torch_traceback
+
+    from graphamp.capture.stacks import source_lines_read_lazily
+
+    model, x = CompilePath(), torch.randn(6, 8)
+    original = torch_traceback._extract_symbolized_tb
+
+    def traces() -> list[tuple[str, str | None]]:
+        ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim.AUTO},), strict=False)
+        return [(n.name, n.meta.get("stack_trace")) for n in ep.graph.nodes]
+
+    want = traces()
+    with source_lines_read_lazily(), source_lines_read_lazily():  # re-entrant
+        assert torch_traceback._extract_symbolized_tb is not original
+        got = traces()
+    assert torch_traceback._extract_symbolized_tb is original
+    assert any(trace and "h = self.lin(x)" in trace for _, trace in want)
+    assert got == want

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.config import Config
 from graphamp.errors import EagerPathWarning, OptionError, PolicyDriftError
 from graphamp.passes import build_pipeline, check_dtypes, run_passes
@@ -57,6 +58,7 @@ from graphamp.backend.weight_casts import share_parameter_casts
 __all__ = ["BackendOptions", "INNER_COMPILERS", "graphamp_backend", "rewrite"]
 
 
+@source_lines_read_lazily()
 def graphamp_backend(
     gm: GraphModule,
     example_inputs: Sequence[Any],

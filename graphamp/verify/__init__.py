@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from graphamp.config import Config
+from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.convert import check_inputs
 from graphamp.emit import AmpModule
 from graphamp.policy import short_dtype
@@ -105,6 +106,7 @@ def verify(
     return report
 
 
+@source_lines_read_lazily()
 def _verify(
     model: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype | str | None, device_type: str | None, mode: str,
     config: Config | None, grads: bool, amp: AmpModule | None = None,
