@@ -28,7 +28,8 @@ CAUSES: dict[str, tuple[str, ...]] = {
     #   tests/test_grad_regressions.py; ConvBERT stays here for the cause;
     # - Swin's batch-1 branch (the "batch" cause): a smaller Swin in
     #   tests/test_capture_fallback.py::test_swin_takes_batch_one_after_batch_two (the census's
-    #   Swin took 89-123 s: torch.export's sympy work on its symbolic window sizes).
+    #   Swin took 89-123 s: torch.export's sympy work on its symbolic window sizes). diffusers' UNet
+#   branches on batch 1 too (19 s in CI's sample, 10 of them building it): left to the full census.
     "hf/qwen3_next": FORWARD,
     "hf/convbert": GRADS,
     "hf/t5gemma": FORWARD,
@@ -58,9 +59,6 @@ CONVERTING: dict[str, tuple[str, ...]] = {
     # Train-mode outputs and every gradient only: the eval-mode conversion runs on the models above
     # (and the UNet's batch check), and these took 3-10 s more each for it in CI's sample.
     **dict.fromkeys(("hf/resnet", "hf/gemma", "hf/wav2vec2", "hf/whisper", "timm/vit_tiny_patch16_224", "timm/convnext_atto"), GRADS),
-    # The batch check converts the UNet in eval mode (and again at batch 1) for diffusers' batch-1
-    # branch; its train-mode gradients (14 s in CI) are left to the full census.
-    "diffusers/unet2d_condition": ("batch",),
     "diffusers/dit": ("convert_bf16", "grads_bf16", "backend"),
     # More of the population, bitwise on every check in the census of 2026-11-26 and among its
     # fastest: train-mode outputs and every gradient here (the eval-mode convert runs on the models
