@@ -34,9 +34,10 @@ def _freeze_what_a_test_file_leaves():
     # A worker's heap grows test file after test file (imported model code, torch's caches) to over
     # a million objects, and each full collection walks all of them: 10-15% of a worker's time in
     # 21 collections of about 0.5 s over three files. What a finished file leaves alive, once
-    # collected, is moved out of the collector's sight (gc.freeze); it is still freed by reference
-    # counting. Measured on test_grad_zoo, test_train, test_cli and test_convert_models in one
-    # process: 165 -> 153 s, the same peak memory.
+    # collected, is moved out of the collector's sight (gc.freeze): reference counting still frees
+    # it, but a cycle among those objects that becomes garbage later is never collected. Measured on
+    # test_grad_zoo, test_train, test_cli and test_convert_models in one process: 165 -> 153 s, the
+    # same peak memory (1.0 GB); the whole suite, clean clone: 570 -> 501 s.
     yield
     gc.collect()
     gc.freeze()
