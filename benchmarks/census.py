@@ -27,6 +27,7 @@ import argparse
 import concurrent.futures
 import copy
 import datetime
+import gc
 import json
 import math
 import os
@@ -576,6 +577,10 @@ def run_in_process(plan: dict[str, tuple[str, ...]], out: Path, timeout: float) 
                 signal.setitimer(signal.ITIMER_REAL, 0)
             with open(out, "a") as f:
                 f.write(json.dumps(data) + "\n")
+            # What a model leaves alive (imported model code, torch's caches) is collected once and
+            # frozen out of the collector's sight: full collections otherwise walk it again and again.
+            gc.collect()
+            gc.freeze()
     finally:
         signal.signal(signal.SIGALRM, old)
 
