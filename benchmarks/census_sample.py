@@ -29,7 +29,7 @@ CAUSES: dict[str, tuple[str, ...]] = {
     # - Swin's batch-1 branch (the "batch" cause): a smaller Swin in
     #   tests/test_capture_fallback.py::test_swin_takes_batch_one_after_batch_two (the census's
     #   Swin took 89-123 s: torch.export's sympy work on its symbolic window sizes). diffusers' UNet
-#   branches on batch 1 too (19 s in CI's sample, 10 of them building it): left to the full census.
+    #   branches on batch 1 too (19 s in CI's sample, 10 of them building it): left to the full census.
     "hf/qwen3_next": FORWARD,
     "hf/convbert": GRADS,
     "hf/t5gemma": FORWARD,
