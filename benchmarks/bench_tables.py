@@ -26,7 +26,8 @@ import json
 import statistics
 from pathlib import Path
 
-ALTERNATIVES = ("fp32", "autocast", "compile_autocast", "compile_autocast_freezing")
+from graphamp.bench import ALTERNATIVES
+
 NOT_GRAPHAMP = (*ALTERNATIVES, "pure_low")
 LIKE_FOR_LIKE = {
     "infer": ("graphamp_compiled", "compile_autocast_freezing"),
@@ -63,7 +64,7 @@ def table(doc: dict) -> str:
     rows = doc["rows"]
     task = rows[0]["task"]
     models = _by_model(rows)
-    names = [v for v in dict.fromkeys(r["variant"] for r in rows)]
+    names = list(dict.fromkeys(r["variant"] for r in rows))
     head = ["model", *names, "fastest graphamp / fastest alternative", "like for like"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for model, variants in models.items():
