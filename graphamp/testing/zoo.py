@@ -182,13 +182,13 @@ def _token_inputs(vocab: int, seed: int, mask: bool = True) -> Callable:
     return make
 
 
-def bert(seed: int = 0, *, layers: int = 2, hidden: int = 64, heads: int = 4, classify: bool = False) -> Case:
+def bert(seed: int = 0, *, layers: int = 2, hidden: int = 64, heads: int = 4, classify: bool = False, dropout: float = 0.0) -> Case:
     tf = _require_transformers()
     torch.manual_seed(seed)
     cfg = tf.BertConfig(
         vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         intermediate_size=hidden * 4 if hidden >= 256 else 128, max_position_embeddings=256,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, num_labels=3,
     )
     model = tf.BertForSequenceClassification(cfg) if classify else tf.BertModel(cfg)
     return Case("bert", model, _token_inputs(1000, seed))
