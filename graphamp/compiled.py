@@ -80,6 +80,14 @@ class Drift:
         return out + (" (bitwise)" if self.bitwise else "")
 
 
+def inductor_patches(**patches: Any) -> dict[str, Any]:
+    """Inductor config patches for graphamp's compiled graphs: ``patches`` plus the joint-graph pass
+    that keeps boolean masks out of saved activations (:mod:`graphamp.passes.recompute_masks`)."""
+    from graphamp.passes.recompute_masks import RecomputeMasks
+
+    return {"joint_custom_pre_pass": RecomputeMasks(), **patches}
+
+
 class _Inductor:
     """Inductor with these config patches, as a backend of its own: ``torch.compile`` caches
     compiled code per backend, so a recompile (``refresh``) never reuses frozen constants."""
@@ -160,7 +168,7 @@ class CompiledAmpModule(nn.Module):
             with self.__dict__["_lock"]:
                 compiled = self.__dict__["_compiled"]
                 if compiled is None:
-                    patches: dict[str, Any] = {"freezing": self.__dict__["_freezing"]}
+                    patches = inductor_patches(freezing=self.__dict__["_freezing"])
                     if self.__dict__["_mode"] is not None:
                         from torch._inductor import list_mode_options
 

@@ -205,7 +205,9 @@ def _hand_off(amp_gm: GraphModule, example_inputs: Sequence[Any], inner: str, mo
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(amp_gm, list(example_inputs), config_patches=list_mode_options(mode) if mode else None)
+    from graphamp.compiled import inductor_patches
+
+    return compile_fx(amp_gm, list(example_inputs), config_patches=inductor_patches(**(list_mode_options(mode) if mode else {})))
 
 
 def _eager_graph(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
