@@ -25,8 +25,9 @@ def _eager(gm, _inputs):
 
 def _partitioned(fn, *, with_pass: bool):
     """``fn`` through AOTAutograd with inductor's decompositions and eager graphs; returns the
-    compiled function and a list that receives the forward graph's saved-tensor dtypes."""
-    saved: list[list[torch.dtype]] = []
+    compiled function, a list that receives the forward graph's saved tensors (as fake tensors)
+    and one that receives how many masks the pass rewrote."""
+    saved: list[list[torch.Tensor]] = []
     marked: list[int] = []
 
     def partition(joint, inputs, **kwargs):
@@ -35,7 +36,7 @@ def _partitioned(fn, *, with_pass: bool):
             joint.recompile()
         fw, bw = min_cut_rematerialization_partition(joint, inputs, **kwargs)
         outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
-        saved.append([o.meta["val"].dtype for o in outputs[kwargs["num_fwd_outputs"]:] if isinstance(o.meta.get("val"), torch.Tensor)])
+        saved.append([o.meta["val"] for o in outputs[kwargs["num_fwd_outputs"]:] if isinstance(o.meta.get("val"), torch.Tensor)])
         return fw, bw
 
     compiled = aot_function(fn, fw_compiler=_eager, bw_compiler=_eager, partition_fn=partition, decompositions=select_decomp_table())
@@ -58,6 +59,14 @@ def _inputs(dtype=torch.float32):
             torch.randn(32, 4, dtype=dtype, requires_grad=True)]
 
 
+def _dtypes(saved):
+    return [t.dtype for t in saved]
+
+
+def _bytes(saved):
+    return sum(t.numel() * t.element_size() for t in saved)
+
+
 def _grads(fn, inputs, seed=1):
     inputs = [t.detach().clone().requires_grad_() for t in inputs]
     torch.manual_seed(seed)
@@ -74,33 +83,25 @@ def test_no_bool_is_saved_and_values_are_unchanged(fn, dtype):
     masked, masked_saved, marked = _partitioned(fn, with_pass=True)
     want_out, want_grads = _grads(plain, inputs)
     got_out, got_grads = _grads(masked, inputs)
-    assert torch.bool in plain_saved[0]  # what the pass is for: the partitioner saves the mask
-    assert torch.bool not in masked_saved[0] and marked[0] >= 1
+    assert torch.bool in _dtypes(plain_saved[0])  # what the pass is for: the partitioner saves the mask
+    assert marked[0] >= 1 and torch.bool not in _dtypes(masked_saved[0])
+    # Saved as uint8, a byte per element as the bool was: no more memory.
+    assert torch.uint8 in _dtypes(masked_saved[0]) and _bytes(masked_saved[0]) <= _bytes(plain_saved[0])
     # The same random draws (eager graphs, same seed): the same values, bit for bit.
     assert torch.equal(got_out, want_out) and all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
 
 
-def test_the_relu_mask_is_recomputed_not_replaced_by_a_float():
-    compiled, saved, _ = _partitioned(_relu_mlp, with_pass=True)
-    _grads(compiled, _inputs())
-    assert saved[0] and all(d == torch.float32 for d in saved[0])
-
-
-def test_the_dropout_mask_is_saved_in_the_activation_dtype():
-    compiled, saved, _ = _partitioned(_dropout_mlp, with_pass=True)
-    _grads(compiled, _inputs(BF16))
-    assert BF16 in saved[0] and torch.bool not in saved[0]
-
-
-def test_a_mask_with_other_uses_is_left_to_the_partitioner():
+def test_a_mask_the_backward_does_not_read_is_not_saved():
     def f(x, w):
-        keep = torch.rand_like(x) > 0.5  # random, used by where: no float stands in for it
-        return torch.where(keep, x @ w, 0.0)
+        y = x @ w
+        return y * (y > 0).float().mean()  # the backward reads the mean, not the mask
 
-    compiled, saved, marked = _partitioned(f, with_pass=True)
     x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    plain, plain_saved, _ = _partitioned(f, with_pass=False)
+    compiled, saved, _ = _partitioned(f, with_pass=True)
+    plain(x, w).sum().backward()
     compiled(x, w).sum().backward()
-    assert marked == [0] and torch.bool in saved[0]
+    assert _dtypes(saved[0]) == _dtypes(plain_saved[0]) and torch.uint8 not in _dtypes(saved[0])
 
 
 def test_inductor_gets_the_pass_with_a_stable_uuid():
