@@ -268,29 +268,35 @@ def _convert(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, chec
 
 
 def _no_less_accurate(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> AmpModule:
-    """Autotune's end-to-end check: on the example, the raised program's max error against fp32 is
-    at most eager autocast's; else every raise is undone (the plan replayed with autocast's dtypes).
+    """Autotune's end-to-end check: on the example, the raised program's error against fp32 is at
+    most eager autocast's; else every raise is undone (the plan replayed with autocast's dtypes).
 
-    Raising an op never makes that op less precise, but the ops after it round other values, so on
-    one input the error at the outputs can come out a little above autocast's.
+    The error (:func:`_error`) is the largest relative RMS difference over the floating outputs
+    and, where the conversion keeps gradients, over the parameters' gradients of a fixed random
+    projection of the outputs. An RMS over every element, not the largest single difference: raising
+    an op never makes that op less precise, but the ops after it round other values, so one element
+    (or a scalar loss, all a ``TrainStep``'s graph returns) can come out a little above autocast's by
+    chance, and the whole plan would be undone for it.
     """
     plan = amp.meta.get(PLAN_META)
     if plan is None or not plan.raised:
         return amp
     start = time.perf_counter()
+    params = [] if spec.inference else [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
     try:
-        with _state_restored(model), torch.no_grad():  # buffers and RNG as they were, after
-            ref = _seeded(lambda: model(*args, **kwargs))
+        with _state_restored(model):  # buffers and RNG as they were, after
+            ref = _seeded(lambda: _outputs_and_grads(lambda: model(*args, **kwargs), params))
             with ambient_autocast(spec.device_type, spec.dtype):
-                low = _seeded(lambda: model(*args, **kwargs))
-            tuned = _seeded(lambda: amp(*args, **kwargs))
+                low = _seeded(lambda: _outputs_and_grads(lambda: model(*args, **kwargs), params))
+            tuned = _seeded(lambda: _outputs_and_grads(lambda: amp(*args, **kwargs), params))
     except Exception as e:  # the check is advisory: a model that cannot run eagerly keeps its plan
         amp.meta[PLAN_META] = dataclasses.replace(
             plan, accuracy=f"error not checked ({type(e).__name__}: {str(e)[:120]})", check_s=time.perf_counter() - start
         )
         return amp
-    err_tuned, err_low = _max_error(tuned, ref), _max_error(low, ref)
-    errors = f"max error vs fp32 on the example {err_tuned:.3g}, eager autocast's {err_low:.3g}"
+    err_tuned, err_low = _error(tuned, ref), _error(low, ref)
+    over = "outputs and gradients" if params else "outputs"
+    errors = f"relative RMS error vs fp32 on the example ({over}) {err_tuned:.3g}, eager autocast's {err_low:.3g}"
     if err_tuned <= err_low:
         amp.meta[PLAN_META] = dataclasses.replace(plan, accuracy=errors, check_s=time.perf_counter() - start)
         return amp
@@ -308,15 +314,41 @@ def _seeded(run: Any) -> Any:
         return run()
 
 
-def _max_error(out: Any, ref: Any) -> float:
-    """The largest absolute difference over the floating tensors of two outputs (inf for a new NaN)."""
+def _outputs_and_grads(run: Any, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
+    """The floating output leaves of ``run()`` and (given ``params``) their gradients of a fixed
+    random projection of those outputs (``torch.autograd.grad``: no ``.grad`` is touched)."""
+    if not params:
+        with torch.no_grad():
+            return (_floating(run()),)
+    outputs = _floating(run())
+    weights = torch.Generator().manual_seed(0)
+    probe = sum((o.float() * torch.randn(o.shape, generator=weights).to(o.device)).sum() for o in outputs if o.requires_grad)
+    if not isinstance(probe, torch.Tensor):  # no output depends on a parameter
+        return ([o.detach() for o in outputs],)
+    grads = torch.autograd.grad(probe, params, allow_unused=True)
+    return [o.detach() for o in outputs], [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+def _floating(out: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+
+
+def _error(got: tuple[list[torch.Tensor], ...], ref: tuple[list[torch.Tensor], ...]) -> float:
+    """The larger, over outputs and gradients, of the relative RMS difference over all their
+    elements, ``sqrt(sum((got - ref)**2) / sum(ref**2))`` (the RMS difference itself where ``ref``
+    is all zeros; inf for a new NaN). One ratio per group, not per tensor: a gradient that is
+    nearly zero in fp32 would make its own ratio meaningless."""
     worst = 0.0
-    for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(ref)):
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point() and a.numel():
-            diff = (a.double() - b.double()).abs()
+    for got_group, ref_group in zip(got, ref):
+        diff_sq, ref_sq, count = 0.0, 0.0, 0
+        for a, b in zip(got_group, ref_group):
+            diff = a.double() - b.double()
             if bool((diff.isnan() & ~b.isnan()).any()):
                 return math.inf
-            worst = max(worst, float(diff.nan_to_num(0.0).max()))
+            diff_sq += float(diff.nan_to_num(0.0).square().sum())
+            ref_sq += float(b.double().nan_to_num(0.0).square().sum())
+            count += diff.numel()
+        worst = max(worst, math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else math.sqrt(diff_sq / max(count, 1)))
     return worst
 
 

@@ -497,8 +497,33 @@ def test_the_accuracy_check_keeps_raises_that_are_no_less_accurate_and_touches_n
     rng = torch.get_rng_state()
     amp = autotuned(model, (x,), FakeTimer(fp32_faster), check_accuracy=True)
     plan = graphamp.AutotunePlan.of(amp)
-    assert plan.raised == ("linear", "linear_1") and plan.accuracy.startswith("max error vs fp32 on the example 0,")
+    assert plan.raised == ("linear", "linear_1") and plan.accuracy.startswith("relative RMS error vs fp32 on the example (outputs and gradients) 0,")
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())  # batch-norm stats restored
     assert torch.equal(torch.get_rng_state(), rng)
     again = graphamp.AutotunePlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan
+
+
+def test_the_accuracy_check_compares_gradients_and_leaves_grad_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)).train()
+    x = torch.randn(6, 8)
+    amp = autotuned(model, (x,), FakeTimer(fp32_faster), check_accuracy=True)
+    assert "(outputs and gradients)" in graphamp.AutotunePlan.of(amp).accuracy
+    assert all(p.grad is None for p in model.parameters())  # torch.autograd.grad, not backward
+    inference = autotuned(model.eval(), (x,), FakeTimer(fp32_faster), check_accuracy=True, inference=True)
+    assert "(outputs)" in graphamp.AutotunePlan.of(inference).accuracy
+
+
+def test_the_accuracy_error_is_one_rms_ratio_per_group():
+    from graphamp.convert import _error
+
+    ref = ([torch.tensor([3.0, 4.0])], [torch.tensor([1.0, 0.0]), torch.tensor([1e-9, -1e-9])])
+    same = ([torch.tensor([3.0, 4.0])], [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0])])
+    # The nearly-zero gradient is off by 100%, but weighs by its size in its group.
+    assert _error(same, ref) == pytest.approx(2**0.5 * 1e-9, rel=1e-3)  # sqrt(2e-18 / 1)
+    off = ([torch.tensor([3.0, 4.5])], ref[1])
+    assert _error(off, ref) == pytest.approx(0.5 / 5.0)  # rms ratio of the outputs: sqrt(0.25 / 25)
+    assert _error(([torch.tensor([0.0, float("nan")])], ref[1]), ref) == float("inf")  # a new NaN
+    zeros = ([torch.zeros(2)],)
+    assert _error(([torch.tensor([0.0, 2.0])],), zeros) == pytest.approx(2.0 / 2**0.5)  # all-zero ref: the RMS itself
