@@ -24,6 +24,8 @@ from graphamp.passes import build_pipeline, run_passes
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.passes.autotune import PLAN_META, checks_accuracy
 from graphamp.passes.export_guards import guards_as_asserts
+from graphamp.plan import AutotunePlan
+from graphamp.policy import short_dtype
 from graphamp.probe import _state_restored, eager_sdpa_calls
 from graphamp.self_check import SELF_CHECK_META, applies, check_against_eager, check_self_check, checker_for
 from graphamp.spec import AmpSpec, ambient_autocast, autocast_off
@@ -269,7 +271,9 @@ def _convert(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, chec
 
 def _no_less_accurate(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> AmpModule:
     """Autotune's end-to-end check: on the example, the raised program's error against fp32 is at
-    most eager autocast's; else every raise is undone (the plan replayed with autocast's dtypes).
+    most eager autocast's. Else, where the measurements say raising every op is faster than
+    autocast's dtypes, the program with every op raised (fp32 wherever autocast runs low), checked
+    the same way; else every raise is undone (the plan replayed with autocast's dtypes).
 
     The error (:func:`_error`) is the largest relative RMS difference over the floating outputs
     and, where the conversion keeps gradients, over the parameters' gradients of a fixed random
@@ -283,29 +287,60 @@ def _no_less_accurate(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dic
         return amp
     start = time.perf_counter()
     params = [] if spec.inference else [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
-    try:
+
+    def replayed(decisions: AutotunePlan) -> AmpModule:
+        return _convert(model, args, kwargs, dataclasses.replace(spec, config=dataclasses.replace(spec.config, plan=decisions)))
+
+    def run(program: nn.Module) -> tuple[list[torch.Tensor], ...]:
         with _state_restored(model):  # buffers and RNG as they were, after
-            ref = _seeded(lambda: _outputs_and_grads(lambda: model(*args, **kwargs), params))
-            with ambient_autocast(spec.device_type, spec.dtype):
-                low = _seeded(lambda: _outputs_and_grads(lambda: model(*args, **kwargs), params))
-            tuned = _seeded(lambda: _outputs_and_grads(lambda: amp(*args, **kwargs), params))
+            return _seeded(lambda: _outputs_and_grads(lambda: program(*args, **kwargs), params))
+
+    try:
+        ref = run(model)
+        with ambient_autocast(spec.device_type, spec.dtype):
+            low = run(model)
+        err_tuned, err_low = _error(run(amp), ref), _error(low, ref)
+        over = "outputs and gradients" if params else "outputs"
+        errors = f"relative RMS error vs fp32 on the example ({over}) {err_tuned:.3g}, eager autocast's {err_low:.3g}"
+        if err_tuned <= err_low:
+            amp.meta[PLAN_META] = dataclasses.replace(plan, accuracy=errors, check_s=time.perf_counter() - start)
+            return amp
     except Exception as e:  # the check is advisory: a model that cannot run eagerly keeps its plan
         amp.meta[PLAN_META] = dataclasses.replace(
             plan, accuracy=f"error not checked ({type(e).__name__}: {str(e)[:120]})", check_s=time.perf_counter() - start
         )
         return amp
-    err_tuned, err_low = _error(tuned, ref), _error(low, ref)
-    over = "outputs and gradients" if params else "outputs"
-    errors = f"relative RMS error vs fp32 on the example ({over}) {err_tuned:.3g}, eager autocast's {err_low:.3g}"
-    if err_tuned <= err_low:
-        amp.meta[PLAN_META] = dataclasses.replace(plan, accuracy=errors, check_s=time.perf_counter() - start)
-        return amp
+    everything = _every_op_raised(plan)
+    if everything is not None:
+        try:
+            raised = replayed(everything)
+            err_all = _error(run(raised), ref)
+        except Exception as e:  # noqa: BLE001 (the fallback is optional: undo the raises instead)
+            err_all = math.inf
+        if err_all <= err_low:
+            low_ms, fp32_ms = (sum(t[i] for t in plan.times_ms.values()) for i in (0, 1))
+            raised.meta[PLAN_META] = dataclasses.replace(everything, check_s=time.perf_counter() - start, accuracy=(
+                f"every op raised instead: with {len(plan.raised)} op(s) raised, {errors}; with every op raised "
+                f"(measured {fp32_ms:.3g} ms in fp32 against {low_ms:.3g} ms in {short_dtype(spec.dtype)}) {err_all:.3g}"
+            ))
+            return raised
     undone = dataclasses.replace(plan, decisions=dict.fromkeys(plan.decisions, spec.dtype), accuracy=(
         f"raises undone: with {len(plan.raised)} op(s) raised, {errors}"
     ))
-    again = _convert(model, args, kwargs, dataclasses.replace(spec, config=dataclasses.replace(spec.config, plan=undone)))
+    again = replayed(undone)
     again.meta[PLAN_META] = dataclasses.replace(undone, check_s=time.perf_counter() - start)
     return again
+
+
+def _every_op_raised(plan: AutotunePlan) -> AutotunePlan | None:
+    """``plan`` with every op raised, where each op was measured and the sum of their fp32 times is
+    below the sum of their low-precision times; else None."""
+    if plan.unmeasured or len(plan.raised) == len(plan.decisions) or set(plan.times_ms) != set(plan.decisions):
+        return None
+    low_ms, fp32_ms = (sum(t[i] for t in plan.times_ms.values()) for i in (0, 1))
+    if fp32_ms >= low_ms:
+        return None
+    return dataclasses.replace(plan, decisions=dict.fromkeys(plan.decisions, torch.float32))
 
 
 def _seeded(run: Any) -> Any:

@@ -452,24 +452,24 @@ def test_wall_timer_times_a_slow_call_once():
 
 
 class Cancels(nn.Module):
-    """Autocast computes the same linear twice and subtracts: exactly 0, as fp32. Raising one of
-    the two (not the other) leaves the low copy's rounding error in the output."""
+    """Autocast computes the same product twice, as ``linear`` and as ``matmul`` (one kernel, so the
+    same bits), and subtracts: exactly 0, as fp32. Raising one of the two (not the other) leaves the
+    low copy's rounding error in the output. Two ops, so that each is measured on its own."""
 
     def __init__(self):
         super().__init__()
-        self.lin = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8))
 
     def forward(self, x):
-        return self.lin(x) - self.lin(x)
+        return F.linear(x, self.w) - torch.matmul(x, self.w.t())
 
 
-def first_op_fp32_faster():
-    seen = []
+def linear_fp32_faster(linear=(2.0, 1.0), matmul=(1.0, 2.0)):
+    """A FakeTimer rule: seconds (low, fp32) for the linear and for the matmul."""
 
-    def rule(trial):  # a FakeTimer rule
-        seen.append(trial)
-        first = len(seen) <= 4  # the first op's rounds: (low, fp32) twice
-        return fp32_faster(trial) if first else low_faster(trial)
+    def rule(trial):
+        low, fp32 = linear if "linear" in trial.op else matmul
+        return fp32 if trial.dtype is torch.float32 else low
 
     return rule
 
@@ -477,16 +477,49 @@ def first_op_fp32_faster():
 def test_a_raised_program_less_accurate_than_autocast_on_the_example_is_undone():
     torch.manual_seed(0)
     model, x = Cancels().eval(), torch.randn(4, 8)
-    unchecked = autotuned(model, (x,), FakeTimer(first_op_fp32_faster()))
+    unchecked = autotuned(model, (x,), FakeTimer(linear_fp32_faster()))
     assert graphamp.AutotunePlan.of(unchecked).raised == ("linear",)
     assert unchecked(x).abs().max() > 0  # the raised program: above autocast's error, which is 0
-    amp = autotuned(model, (x,), FakeTimer(first_op_fp32_faster()), check_accuracy=True)
+    amp = autotuned(model, (x,), FakeTimer(linear_fp32_faster()), check_accuracy=True)
     plan = graphamp.AutotunePlan.of(amp)
     assert plan.raised == () and plan.accuracy.startswith("raises undone: with 1 op(s) raised")
     assert plan.times_ms["linear"] == (2000.0, 1000.0)  # what was measured stays on record
     with torch.autocast("cpu", dtype=BF16):
         assert torch.equal(amp(x), model(x))
     assert "raises undone" in plan.summary()
+
+
+def test_a_raised_op_reads_the_fp32_input_its_shared_cast_was_made_from():
+    """Exact mode shares x's bf16 cast between the linear and the matmul (``autocast_cached``, as
+    eager's cast cache would); raised, the matmul must read x itself, not that cast cast back up."""
+
+    class TwoProducts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return F.linear(x, self.w1) + torch.matmul(x, self.w2)
+
+    torch.manual_seed(0)
+    model, x = TwoProducts().eval(), torch.randn(4, 8)
+    assert "autocast_cached" in graphamp.convert(model, (x,)).code
+    amp = autotuned(model, (x,), FakeTimer(fp32_faster))
+    assert graphamp.AutotunePlan.of(amp).raised == ("linear", "matmul")
+    assert "bfloat16" not in amp.code and torch.equal(amp(x), model(x))
+
+
+def test_a_less_accurate_plan_becomes_every_op_raised_where_that_measures_faster():
+    """The partial plan fails the check; raising the matmul too is fp32 (error 0, as autocast's
+    here) and measures faster in sum (1.0 + 1.5 against 3.0 + 1.0), so that is the program."""
+    torch.manual_seed(0)
+    model, x = Cancels().eval(), torch.randn(4, 8)
+    amp = autotuned(model, (x,), FakeTimer(linear_fp32_faster(linear=(3.0, 1.0), matmul=(1.0, 1.5))), check_accuracy=True)
+    plan = graphamp.AutotunePlan.of(amp)
+    assert plan.raised == ("linear", "matmul")
+    assert plan.accuracy.startswith("every op raised instead: with 1 op(s) raised,") and plan.accuracy.endswith(" 0")
+    assert "measured 2.5e+03 ms in fp32 against 4e+03 ms in bf16" in plan.accuracy, plan.accuracy
+    assert torch.equal(amp(x), model(x))  # fp32's program: exactly 0
 
 
 def test_the_accuracy_check_keeps_raises_that_are_no_less_accurate_and_touches_nothing():

@@ -295,10 +295,12 @@ def _example(val: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 
 def _fp32_source(node: Node) -> Node | None:
     """The fp32 value ``node`` casts down, if ``node`` is one of graphamp's casts of one."""
-    if not isinstance(node, Node) or not is_graphamp_cast(node):
+    if not isinstance(node, Node):
         return None
-    if node.target is autocast_cached:
+    if node.target is autocast_cached:  # dedupe_casts' shared cast of an input (no cast record of its own)
         src = node.args[0]
+    elif not is_graphamp_cast(node):
+        return None
     else:
         found = cast_source(node)
         if found is None:
@@ -579,7 +581,7 @@ def _raise(gm: GraphModule, spec: AmpSpec, raised: dict[Node, str]) -> None:
             if origin is not None:
                 node.replace_input_with(src, origin)
     for node in reversed(list(gm.graph.nodes)):
-        if is_graphamp_cast(node) and not node.users:
+        if (is_graphamp_cast(node) or node.target is autocast_cached) and not node.users:
             gm.graph.erase_node(node)
     _RaiseRewriter(gm, spec, raised).run()
     gm.graph.lint()
