@@ -5,6 +5,8 @@ small functions with and without it (eager graphs, no inductor) and read the for
 tensors; the end-to-end test compiles a real ``nn.TransformerEncoderLayer`` through inductor.
 """
 
+import contextlib
+
 import pytest
 import torch
 from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
@@ -110,7 +112,7 @@ def test_inductor_gets_the_pass_with_a_stable_uuid():
     assert RecomputeMasks().uuid() == RecomputeMasks().uuid() is not None
 
 
-def test_a_compiled_encoder_layer_trains_as_without_the_pass(monkeypatch):
+def test_a_compiled_encoder_layer_trains_as_without_the_pass(monkeypatch, request):
     """A real module through inductor, with and without the pass: the pass changes which tensors
     are saved, not what is computed (a tolerance: the kernels inductor groups may differ)."""
     torch.manual_seed(0)
@@ -118,8 +120,11 @@ def test_a_compiled_encoder_layer_trains_as_without_the_pass(monkeypatch):
     x = torch.randn(2, 8, 32)
     amp = graphamp.convert(model, (x,), dtype=BF16)
     # Compiled afresh: a cache hit (inductor's FX graph cache, AOTAutograd's) would skip the pass.
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    # (The configs' own patch(): monkeypatch's undo deletes a config module's entry.)
+    no_cache = contextlib.ExitStack()
+    no_cache.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+    no_cache.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    request.addfinalizer(no_cache.close)
     marked = []
     monkeypatch.setattr(recompute_masks_module, "recompute_masks", lambda graph: marked.append(recompute_masks(graph)))
     results = []
