@@ -9,7 +9,7 @@ compile-and-step times (the second reuses the first's compiled C++ kernels, so c
 outputs and parameter gradients between the two, relative to the largest magnitude (inductor draws
 dropout from its own generator, seeded from torch's: with the same seed both programs draw alike).
 
-    .venv/bin/python benchmarks/mask_pass_models.py hf/bert hf/gpt2 timm/resnet18 ... [--p 0.1]
+    .venv/bin/python benchmarks/mask_pass_models.py hf/bert hf/gpt2 timm/resnet18 ... [--p 0.1] [--saved]
 """
 
 from __future__ import annotations
@@ -109,18 +109,63 @@ def run(name: str, p: float, without_first: bool = False) -> dict:
     return row
 
 
+def saved_bytes(name: str, p: float) -> dict:
+    """The bytes the partitioned forward saves for the backward, with and without the pass (AOTAutograd
+    with inductor's decompositions and min-cut partition, eager graphs: no inductor compile)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    built = census_models.build(name)
+    model = built.model.train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+    args, kwargs = built.make_inputs(census_models.BATCH)
+    amp = graphamp.convert(model, args, kwargs, dtype=torch.bfloat16)
+    row: dict = {"model": name}
+    for with_pass in (False, True):
+        seen: dict = {}
+
+        def partition(joint, inputs, with_pass=with_pass, seen=seen, **kw):
+            if with_pass:
+                seen["masks"] = seen.get("masks", 0) + pass_module.recompute_masks(joint.graph)
+                joint.recompile()
+            fw, bw = min_cut_rematerialization_partition(joint, inputs, **kw)
+            outs = next(n for n in fw.graph.nodes if n.op == "output").args[0][kw["num_fwd_outputs"]:]
+            for o in outs:
+                v = o.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    key = "bool" if v.dtype == torch.bool else "uint8" if v.dtype == torch.uint8 else "other"
+                    seen[key] = seen.get(key, 0) + v.numel() * v.element_size()
+            return fw, bw
+
+        torch._dynamo.reset()
+        eager = lambda gm, _: make_boxed_func(gm)  # noqa: E731
+        compiled = torch.compile(amp, backend=aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition, decompositions=select_decomp_table()))
+        torch.manual_seed(0)
+        _floats(compiled(*args, **kwargs))
+        tag = "with" if with_pass else "without"
+        row[f"saved_mib_{tag}"] = round(sum(v for k, v in seen.items() if k != "masks") / 2**20, 3)
+        row[f"mask_mib_{tag}"] = round((seen.get("bool", 0) + seen.get("uint8", 0)) / 2**20, 3)
+        if with_pass:
+            row["masks"] = seen.get("masks", 0)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+")
     parser.add_argument("--p", type=float, default=0.1)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--saved", action="store_true", help="report the saved bytes with and without the pass instead (no inductor compile)")
     parser.add_argument("--without-first", action="store_true", help="compile without the pass first (compile times: the second compile reuses the first's C++ kernels)")
     ns = parser.parse_args()
     torch.set_num_threads(2)
     rows = []
     for name in ns.models:
         try:
-            row = run(name, ns.p, ns.without_first)
+            row = saved_bytes(name, ns.p) if ns.saved else run(name, ns.p, ns.without_first)
         except Exception as e:  # noqa: BLE001 (the model could not be built or converted)
             row = {"model": name, "not_run": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
         rows.append(row)

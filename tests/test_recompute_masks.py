@@ -106,6 +106,20 @@ def test_a_mask_the_backward_does_not_read_is_not_saved():
     assert _dtypes(saved[0]) == _dtypes(plain_saved[0]) and torch.uint8 not in _dtypes(saved[0])
 
 
+def test_a_view_of_a_mask_is_read_through_not_saved_at_its_size():
+    def f(x, w, keep):
+        big = (keep > 0).expand(8, 16, 32)  # a view of an (8, 1, 32) mask
+        return torch.where(big, x @ w, 0.0) * 2.0
+
+    x, w, keep = torch.randn(8, 16, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True), torch.randn(8, 1, 32)
+    plain, plain_saved, _ = _partitioned(f, with_pass=False)
+    compiled, saved, marked = _partitioned(f, with_pass=True)
+    want, got = plain(x, w, keep), compiled(x, w, keep)
+    assert torch.equal(got, want)
+    got.sum().backward()
+    assert marked == [1] and torch.bool not in _dtypes(saved[0]) and _bytes(saved[0]) == _bytes(plain_saved[0])
+
+
 def test_inductor_gets_the_pass_with_a_stable_uuid():
     patches = inductor_patches(freezing=True)
     assert isinstance(patches["joint_custom_pre_pass"], RecomputeMasks) and patches["freezing"] is True

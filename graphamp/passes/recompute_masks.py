@@ -32,8 +32,15 @@ _NE = torch.ops.aten.ne.Scalar
 
 
 def _is_mask(node: Node) -> bool:
+    """A bool tensor an op computes; not a view of one (``expand`` of a small mask), which reads
+    the mask it views and would otherwise be saved at its own, larger, size."""
     v = node.meta.get("val")
-    return node.op == "call_function" and isinstance(v, torch.Tensor) and v.dtype == torch.bool and v.dim() > 0
+    return node.op == "call_function" and isinstance(v, torch.Tensor) and v.dtype == torch.bool and v.dim() > 0 and not _is_view(node)
+
+
+def _is_view(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
 
 
 def _backward_nodes(graph: Graph) -> set[Node]:
