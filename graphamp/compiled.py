@@ -18,6 +18,7 @@ which is exact.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -25,13 +26,14 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from graphamp.capture.kernels import eager_kernel_metas
 from graphamp.emit import AmpModule
 from graphamp.errors import CompileError, CompileFallbackWarning, GraphampError, InputMismatchError, InputShapeError, InputValueError
 from graphamp.runtime import RESTORE_ON_REFUSAL, compiled_guards, restored_on_refusal
@@ -221,11 +223,21 @@ class CompiledAmpModule(nn.Module):
             compiled_guards(),
             autocast_off((info.device_type,)) if ambient else _nothing(),
             torch.no_grad() if info.inference else _nothing(),
+            _grouped_mm_compiles() if self._calls_grouped_mm() else _nothing(),
         ):
             if self.__dict__["_freezing"]:
                 with inductor_freezing():
                     return self._compiled_fn()(*args, **kwargs)
             return self._compiled_fn()(*args, **kwargs)
+
+    def _calls_grouped_mm(self) -> bool:
+        """Whether the graph calls ``aten._grouped_mm`` (MoE experts), whose fake kernel refuses the
+        fp32 operands its CPU kernel takes: dynamo traces with :func:`eager_kernel_metas` then, as
+        capture does (else the compile fails and the module runs uncompiled)."""
+        found = self.__dict__.get("_grouped_mm")
+        if found is None:
+            found = self.__dict__["_grouped_mm"] = any(n.target is torch.ops.aten._grouped_mm.default for n in self.amp.graph.nodes)
+        return found
 
     def _warn_fallback(self, e: BaseException) -> None:
         if not self.__dict__["_fallback_warned"]:
@@ -273,6 +285,16 @@ class CompiledAmpModule(nn.Module):
         new.meta = dict(self.meta)
         memo[id(self)] = new
         return new
+
+
+@contextlib.contextmanager
+def _grouped_mm_compiles() -> Iterator[None]:
+    """Dynamo and inductor trace ``aten._grouped_mm`` with the widened fake kernel; AOTAutograd
+    compiles the backward with the forward (not at the first backward, outside this context)."""
+    import torch._functorch.config as functorch_config
+
+    with eager_kernel_metas(), functorch_config.patch(force_non_lazy_backward_lowering=True):
+        yield
 
 
 class inductor_freezing:

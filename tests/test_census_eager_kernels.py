@@ -55,3 +55,29 @@ def test_the_widened_fake_kernel_takes_the_cpu_dtypes_only_while_graphamp_traces
     with pytest.raises(RuntimeError, match="BF16"):  # torch's own kernel again
         _fake_grouped_mm(torch.float32)
     assert "graphamp" not in torch._C._dispatch_dump("aten::_grouped_mm")
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["training", "inference"])
+def test_fp32_grouped_mm_compiles_too(inference):
+    """compile=True: dynamo traces the converted graph with the same widened fake kernel, so an MoE
+    model's experts compile instead of falling back to the uncompiled module (Mixtral did)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, x, offs = GroupedExperts(), torch.randn(8, 16), torch.tensor([3, 8], dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", graphamp.CompileFallbackWarning)
+        cm = graphamp.convert(model, (x, offs), inference=inference, compile=True)
+        out = cm(x, offs)
+        if not inference:
+            out.sum().backward()
+    assert cm.runs_compiled and not cm.__dict__.get("_refused_shapes")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x, offs)
+    assert out.dtype == want.dtype
+    torch.testing.assert_close(out.detach(), want.detach(), rtol=0.02, atol=0.02)
+    assert not inference or model.proj.weight.grad is None
+    assert inference or model.w.grad is not None
+    # Outside the compiled call, torch's own fake kernel again.
+    with pytest.raises(RuntimeError, match="BF16"):
+        _fake_grouped_mm(torch.float32)
