@@ -315,10 +315,10 @@ def _no_less_accurate(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dic
         try:
             raised = replayed(everything)
             err_all = _error(run(raised), ref)
-        except Exception as e:  # noqa: BLE001 (the fallback is optional: undo the raises instead)
+        except Exception:  # noqa: BLE001 (the fallback is optional: undo the raises instead)
             err_all = math.inf
         if err_all <= err_low:
-            low_ms, fp32_ms = (sum(t[i] for t in plan.times_ms.values()) for i in (0, 1))
+            low_ms, fp32_ms = _summed_ms(plan)
             raised.meta[PLAN_META] = dataclasses.replace(everything, check_s=time.perf_counter() - start, accuracy=(
                 f"every op raised instead: with {len(plan.raised)} op(s) raised, {errors}; with every op raised "
                 f"(measured {fp32_ms:.3g} ms in fp32 against {low_ms:.3g} ms in {short_dtype(spec.dtype)}) {err_all:.3g}"
@@ -337,10 +337,15 @@ def _every_op_raised(plan: AutotunePlan) -> AutotunePlan | None:
     below the sum of their low-precision times; else None."""
     if plan.unmeasured or len(plan.raised) == len(plan.decisions) or set(plan.times_ms) != set(plan.decisions):
         return None
-    low_ms, fp32_ms = (sum(t[i] for t in plan.times_ms.values()) for i in (0, 1))
+    low_ms, fp32_ms = _summed_ms(plan)
     if fp32_ms >= low_ms:
         return None
     return dataclasses.replace(plan, decisions=dict.fromkeys(plan.decisions, torch.float32))
+
+
+def _summed_ms(plan: AutotunePlan) -> tuple[float, float]:
+    """The plan's measured times summed over its ops: (low precision, fp32)."""
+    return sum(low for low, _ in plan.times_ms.values()), sum(fp32 for _, fp32 in plan.times_ms.values())
 
 
 def _seeded(run: Any) -> Any:

@@ -5,8 +5,6 @@ small functions with and without it (eager graphs, no inductor) and read the for
 tensors; the end-to-end test compiles a real ``nn.TransformerEncoderLayer`` through inductor.
 """
 
-import contextlib
-
 import pytest
 import torch
 from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
@@ -126,7 +124,7 @@ def test_inductor_gets_the_pass_with_a_stable_uuid():
     assert RecomputeMasks().uuid() == RecomputeMasks().uuid() is not None
 
 
-def test_a_compiled_encoder_layer_trains_as_without_the_pass(monkeypatch, request):
+def test_a_compiled_encoder_layer_trains_as_without_the_pass(monkeypatch):
     """A real module through inductor, with and without the pass: the pass changes which tensors
     are saved, not what is computed (a tolerance: the kernels inductor groups may differ)."""
     torch.manual_seed(0)
@@ -135,22 +133,19 @@ def test_a_compiled_encoder_layer_trains_as_without_the_pass(monkeypatch, reques
     amp = graphamp.convert(model, (x,), dtype=BF16)
     # Compiled afresh: a cache hit (inductor's FX graph cache, AOTAutograd's) would skip the pass.
     # (The configs' own patch(): monkeypatch's undo deletes a config module's entry.)
-    no_cache = contextlib.ExitStack()
-    no_cache.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
-    no_cache.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
-    request.addfinalizer(no_cache.close)
     marked = []
     monkeypatch.setattr(recompute_masks_module, "recompute_masks", lambda graph: marked.append(recompute_masks(graph)))
     results = []
-    for with_pass in (True, False):
-        if not with_pass:
-            init = _Inductor.__init__
-            monkeypatch.setattr(_Inductor, "__init__", lambda self, p: init(self, {k: v for k, v in p.items() if k != "joint_custom_pre_pass"}))
-        cm = CompiledAmpModule(amp, freezing=False)
-        model.zero_grad()
-        out = cm(x)
-        out.float().square().mean().backward()
-        results.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        for with_pass in (True, False):
+            if not with_pass:
+                init = _Inductor.__init__
+                monkeypatch.setattr(_Inductor, "__init__", lambda self, p: init(self, {k: v for k, v in p.items() if k != "joint_custom_pre_pass"}))
+            cm = CompiledAmpModule(amp, freezing=False)
+            model.zero_grad()
+            out = cm(x)
+            out.float().square().mean().backward()
+            results.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
     (out_a, grads_a), (out_b, grads_b) = results
     assert marked and marked[0] >= 1 and len(marked) == 1  # the relu's mask, in the first run only
     assert out_a.dtype == out_b.dtype
