@@ -142,6 +142,10 @@ def convert(
     if compile:
         from graphamp.compiled import compile_converted
 
+        if spec.mode == "autotune" and spec.config.plan is None and isinstance(amp, AmpModule) and PLAN_META in amp.meta:
+            from graphamp.autotune_compiled import fastest_compiled
+
+            return fastest_compiled(amp, model, args, kwargs, spec)
         return compile_converted(amp, model, args, kwargs)
     return amp
 
@@ -286,21 +290,14 @@ def _no_less_accurate(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dic
     if plan is None or not plan.raised:
         return amp
     start = time.perf_counter()
-    params = [] if spec.inference else [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
 
     def replayed(decisions: AutotunePlan) -> AmpModule:
-        return _convert(model, args, kwargs, dataclasses.replace(spec, config=dataclasses.replace(spec.config, plan=decisions)))
-
-    def run(program: nn.Module) -> tuple[list[torch.Tensor], ...]:
-        with _state_restored(model):  # buffers and RNG as they were, after
-            return _seeded(lambda: _outputs_and_grads(lambda: program(*args, **kwargs), params))
+        return replay(model, args, kwargs, spec, decisions)
 
     try:
-        ref = run(model)
-        with ambient_autocast(spec.device_type, spec.dtype):
-            low = run(model)
-        err_tuned, err_low = _error(run(amp), ref), _error(low, ref)
-        over = "outputs and gradients" if params else "outputs"
+        measured = errors_against_fp32({"plan": amp}, model, args, kwargs, spec)
+        err_tuned, err_low = measured["plan"], measured["autocast"]
+        over = "outputs and gradients" if _checked_params(model, spec) else "outputs"
         errors = f"relative RMS error vs fp32 on the example ({over}) {err_tuned:.3g}, eager autocast's {err_low:.3g}"
         if err_tuned <= err_low:
             amp.meta[PLAN_META] = dataclasses.replace(plan, accuracy=errors, check_s=time.perf_counter() - start)
@@ -314,7 +311,7 @@ def _no_less_accurate(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dic
     if everything is not None:
         try:
             raised = replayed(everything)
-            err_all = _error(run(raised), ref)
+            err_all = errors_against_fp32({"raised": raised}, model, args, kwargs, spec)["raised"]
         except Exception:  # noqa: BLE001 (the fallback is optional: undo the raises instead)
             err_all = math.inf
         if err_all <= err_low:
@@ -330,6 +327,32 @@ def _no_less_accurate(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dic
     again = replayed(undone)
     again.meta[PLAN_META] = dataclasses.replace(undone, check_s=time.perf_counter() - start)
     return again
+
+
+def replay(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, decisions: AutotunePlan) -> AmpModule:
+    """The conversion again with ``decisions`` as its plan (no measuring, no accuracy check)."""
+    return _convert(model, args, kwargs, dataclasses.replace(spec, config=dataclasses.replace(spec.config, plan=decisions)))
+
+
+def errors_against_fp32(programs: dict[str, nn.Module], model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> dict[str, float]:
+    """:func:`_error` of each program on the example against the model in fp32, and of eager
+    autocast under the key ``"autocast"``: the measure of :func:`_no_less_accurate`."""
+    params = _checked_params(model, spec)
+    ref = _outputs_and_grads_of(model, model, args, kwargs, params)
+    with ambient_autocast(spec.device_type, spec.dtype):
+        errors = {"autocast": _error(_outputs_and_grads_of(model, model, args, kwargs, params), ref)}
+    for name, program in programs.items():
+        errors[name] = _error(_outputs_and_grads_of(program, model, args, kwargs, params), ref)
+    return errors
+
+
+def _checked_params(model: nn.Module, spec: AmpSpec) -> list[torch.Tensor]:
+    return [] if spec.inference else [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+
+
+def _outputs_and_grads_of(program: nn.Module, model: nn.Module, args: tuple, kwargs: dict, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
+    with _state_restored(model):  # buffers and RNG as they were, after
+        return _seeded(lambda: _outputs_and_grads(lambda: program(*args, **kwargs), params))
 
 
 def _every_op_raised(plan: AutotunePlan) -> AutotunePlan | None:

@@ -83,6 +83,9 @@ class AutotunePlan:
     # fp32 beside eager autocast's, and whether the raises were undone; "" where it did not run.
     accuracy: str = ""
     check_s: float = 0.0
+    # convert(compile=True): the compiled candidate programs timed whole and the one chosen
+    # (graphamp.autotune_compiled); "" where none were timed.
+    compiled: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device_type, str):
@@ -128,6 +131,7 @@ class AutotunePlan:
             f"to fp32; measuring took {self.measure_s:.2f} s ({self.measured} op shapes timed, {self.cached} from the "
             f"cache, {self.unmeasured} left as autocast unmeasured: the budget was spent, or the op could not be timed alone)"
             + (f"; {self.accuracy}" if self.accuracy else "")
+            + (f"; {self.compiled}" if self.compiled else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,6 +151,7 @@ class AutotunePlan:
             "unmeasured": self.unmeasured,
             "accuracy": self.accuracy,
             "check_s": self.check_s,
+            "compiled": self.compiled,
         }
 
     @classmethod

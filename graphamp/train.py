@@ -33,7 +33,8 @@ from graphamp.config import Config
 from graphamp.convert import _convert
 from graphamp.emit import AmpModule
 from graphamp.errors import InputMismatchError
-from graphamp.probe import attribute_bound
+from graphamp.passes.autotune import PLAN_META
+from graphamp.probe import _state_restored, attribute_bound
 from graphamp.runtime import grad_casts_kept
 from graphamp.self_check import SELF_CHECK_META, applies, check_against_eager, check_self_check
 from graphamp.spec import AmpSpec, autocast_off, check_device
@@ -390,6 +391,11 @@ class TrainStep:
 
             check = fsdp.self_check if fsdp.FSDP_META in amp.meta else check_against_eager
             amp.meta[SELF_CHECK_META] = check(amp, wrapper, inputs, {}, self.spec, on_drift=self.on_drift)
+        if self.compile and self.spec.mode == "autotune" and self.spec.config.plan is None and PLAN_META in amp.meta:
+            from graphamp.autotune_compiled import fastest_compiled
+
+            self._compiled = fastest_compiled(amp, wrapper, inputs, {}, self.spec, compile_fn=_compiled_for_training_now)
+            amp = getattr(self._compiled, "amp", self._compiled)
         return amp
 
     def _loss(self, args: tuple, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
@@ -495,3 +501,14 @@ class TrainStep:
         self.steps = int(state["steps"])
         self._applied = bool(state["applied"])
         self.stepped = self.calls % self.accumulate == 0 and self.calls > 0
+
+
+def _compiled_for_training_now(program: AmpModule, model: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
+    """``TrainStep(compile=True)``'s compiled model-and-loss for ``program``, its forward compiled
+    now (on the example, the model's state restored after)."""
+    from graphamp.compiled import compiled_for_training
+
+    compiled = compiled_for_training(program)
+    with _state_restored(model):
+        compiled(*args, **kwargs)
+    return compiled

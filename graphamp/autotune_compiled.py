@@ -1,0 +1,159 @@
+"""``convert(mode="autotune", compile=True)``: compiled candidate programs timed whole, the fastest kept.
+
+Autotune decides op by op from eager timings, and a compiled program does not run op by op:
+inductor fuses the casts, prepacks weights and lowers an emulated fp16 convolution its own way. On
+this project's AMD EPYC (fp16 emulated) the checkerboard's autotuned plan kept two fp16 convolutions
+that eager timed faster, and compiled it trained at 19.3 ms a step against 9.7 ms with every
+convolution in fp32. So with ``compile=True`` up to three programs are compiled and timed on the
+example, interleaved: the plan's own, autocast's dtypes (the plan's raises undone) and every op
+raised (each, like the plan, no less accurate than eager autocast on the example). The plan's own is
+kept unless another is more than :data:`MARGIN` faster. Each candidate costs a compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import benchmark
+
+from graphamp.emit import AmpModule
+from graphamp.passes.autotune import PLAN_META
+from graphamp.plan import AutotunePlan
+from graphamp.policy import short_dtype
+from graphamp.spec import AmpSpec
+
+__all__ = ["MARGIN", "candidate_plans", "fastest_compiled", "pick", "time_programs"]
+
+# Another candidate replaces the plan's own program only when its median is this much lower.
+MARGIN = 0.03
+ROUNDS = 5
+MIN_ROUND_S = 0.05
+
+
+def candidate_plans(plan: AutotunePlan, dtype: torch.dtype) -> dict[str, AutotunePlan]:
+    """The plans to compile beside ``plan`` itself: autocast's dtypes where it raised an op, every
+    op raised where it kept one low."""
+    candidates = {}
+    if plan.raised:
+        candidates["autocast's dtypes"] = dataclasses.replace(plan, decisions=dict.fromkeys(plan.decisions, dtype))
+    if len(plan.raised) < len(plan.decisions):
+        candidates["every op raised"] = dataclasses.replace(plan, decisions=dict.fromkeys(plan.decisions, torch.float32))
+    return candidates
+
+
+def time_programs(runs: dict[str, Callable[[], Any]], *, rounds: int = ROUNDS) -> dict[str, float]:
+    """Median ms per call of each ``run``, over ``rounds`` interleaved rounds of at least
+    :data:`MIN_ROUND_S` each (the first call of each, before, untimed)."""
+    numbers = {}
+    for name, run in runs.items():
+        start = time.perf_counter()
+        run()
+        numbers[name] = max(1, math.ceil(MIN_ROUND_S / max(time.perf_counter() - start, 1e-6)))
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            timer = benchmark.Timer("run()", globals={"run": run})
+            samples[name].append(timer.timeit(numbers[name]).mean * 1e3)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def fastest_compiled(
+    amp: AmpModule, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec,
+    compile_fn: Callable[[AmpModule, nn.Module, tuple, dict], nn.Module] | None = None,
+) -> nn.Module:
+    """The fastest of ``amp``'s compiled program and the candidates' (see the module's doc), timed
+    on the example: forward, and backward to the parameters where the conversion keeps gradients.
+    ``compile_fn(program, model, args, kwargs)`` compiles one (default: ``convert(compile=True)``'s)."""
+    from graphamp.compiled import compile_converted
+    from graphamp.convert import errors_against_fp32, replay
+
+    compile_fn = compile_fn or compile_converted
+    from graphamp.probe import _state_restored
+
+    plan = amp.meta[PLAN_META]
+    programs: dict[str, AmpModule] = {}
+    notes = []
+    for name, decisions in candidate_plans(plan, spec.dtype).items():
+        try:
+            programs[name] = replay(model, args, kwargs, spec, decisions)
+        except Exception as e:  # noqa: BLE001 (a candidate is optional)
+            notes.append(f"{name}: not converted ({type(e).__name__})")
+            continue
+        programs[name].meta[PLAN_META] = dataclasses.replace(decisions, accuracy="autocast's dtypes: eager autocast's accuracy")
+    if "every op raised" in programs:  # autocast's dtypes are autocast's accuracy by definition
+        try:
+            errors = errors_against_fp32({"every op raised": programs["every op raised"]}, model, args, kwargs, spec)
+        except Exception as e:  # noqa: BLE001 (unchecked: not a candidate)
+            errors = {"every op raised": math.inf, "autocast": 0.0}
+            notes.append(f"every op raised: error not checked ({type(e).__name__})")
+        if errors["every op raised"] <= errors["autocast"]:
+            raised = programs["every op raised"]
+            raised.meta[PLAN_META] = dataclasses.replace(raised.meta[PLAN_META], accuracy=(
+                f"every op raised: relative RMS error vs fp32 on the example {errors['every op raised']:.3g}, "
+                f"eager autocast's {errors['autocast']:.3g}"
+            ))
+        else:
+            del programs["every op raised"]
+            notes.append("every op raised: less accurate than autocast on the example")
+    compiled: dict[str, nn.Module] = {}
+    caught: dict[str, list[warnings.WarningMessage]] = {}
+    for name, program in {"plan": amp, **programs}.items():
+        with warnings.catch_warnings(record=True) as caught[name]:
+            warnings.simplefilter("always")
+            try:
+                compiled[name] = compile_fn(program, model, args, kwargs)
+            except Exception as e:
+                if name == "plan":
+                    raise
+                notes.append(f"{name}: not compiled ({type(e).__name__})")
+    if len(compiled) == 1:
+        return _chosen(compiled["plan"], caught["plan"], "plan", {}, notes, spec)
+    params = [] if spec.inference else [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+
+    def run(cm: nn.Module) -> Callable[[], Any]:
+        def call() -> Any:
+            if not params:
+                with torch.no_grad():
+                    return cm(*args, **kwargs)
+            out = [t for t in torch.utils._pytree.tree_leaves(cm(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if out:  # the parameters' gradients, as a training step computes them (no .grad touched)
+                torch.autograd.grad(sum(t.float().mean() for t in out), params, allow_unused=True)
+
+        return call
+
+    with _state_restored(model):
+        times = time_programs({name: run(cm) for name, cm in compiled.items()})
+    best = pick(times)
+    return _chosen(compiled[best], caught[best], best, times, notes, spec)
+
+
+def pick(times: dict[str, float]) -> str:
+    """The fastest of ``times`` (ms per call), or ``"plan"`` unless the fastest is more than
+    :data:`MARGIN` faster than it."""
+    best = min(times, key=times.__getitem__)
+    return best if times[best] < times["plan"] * (1 - MARGIN) else "plan"
+
+
+def _chosen(cm: nn.Module, caught: list[warnings.WarningMessage], name: str, times: dict[str, float], notes: list[str], spec: AmpSpec) -> nn.Module:
+    """``cm`` with the choice in its plan, and the warnings its compile gave, given again."""
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    amp = getattr(cm, "amp", cm)
+    plan = amp.meta[PLAN_META]
+    timed = ", ".join(f"{n} {ms:.3g} ms" for n, ms in times.items())
+    line = f"compiled: {'the plan' if name == 'plan' else name} ({timed or 'no other candidate compiled'})"
+    if notes:
+        line += f"; {'; '.join(notes)}"
+    if name != "plan":
+        raised = sum(d is torch.float32 for d in plan.decisions.values())
+        rest = f", the rest in {short_dtype(spec.dtype)}" if raised < len(plan.decisions) else ""
+        line += f"; {raised} of {len(plan.decisions)} ops in fp32{rest}"
+    amp.meta[PLAN_META] = dataclasses.replace(plan, compiled=line)
+    return cm

@@ -1,0 +1,93 @@
+"""convert(mode="autotune", compile=True): candidate plans, the choice rule, and the chosen program,
+under fake times (no test reads the clock)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphamp
+from graphamp import autotune_compiled
+from graphamp.passes.autotune import MeasurementCache, Trial, measuring
+
+BF16 = torch.bfloat16
+
+
+def _plan(decisions: dict[str, torch.dtype]) -> graphamp.AutotunePlan:
+    return graphamp.AutotunePlan("cpu", BF16, "0" * 16, decisions)
+
+
+def test_candidates_are_autocasts_dtypes_and_every_op_raised():
+    some = autotune_compiled.candidate_plans(_plan({"a": torch.float32, "b": BF16}), BF16)
+    assert {name: dict(p.decisions) for name, p in some.items()} == {
+        "autocast's dtypes": {"a": BF16, "b": BF16},
+        "every op raised": {"a": torch.float32, "b": torch.float32},
+    }
+    assert list(autotune_compiled.candidate_plans(_plan({"a": torch.float32}), BF16)) == ["autocast's dtypes"]
+    assert list(autotune_compiled.candidate_plans(_plan({"a": BF16}), BF16)) == ["every op raised"]
+
+
+def test_pick_keeps_the_plan_unless_another_is_clearly_faster():
+    assert autotune_compiled.pick({"plan": 10.0, "every op raised": 9.8}) == "plan"  # within the margin
+    assert autotune_compiled.pick({"plan": 10.0, "every op raised": 9.0, "autocast's dtypes": 9.5}) == "every op raised"
+    assert autotune_compiled.pick({"plan": 10.0, "autocast's dtypes": 11.0}) == "plan"
+
+
+def test_compiled_autotune_returns_the_fastest_candidate(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))  # train mode: timed with backward
+    x = torch.randn(4, 8)
+    calls = []
+
+    def fake_times(runs, **kw):
+        for run in runs.values():  # each candidate runs (forward and parameter gradients) once
+            run()
+        calls.append(sorted(runs))
+        return {name: 1.0 if name == "every op raised" else 2.0 for name in runs}
+
+    def first_wide(trial: Trial) -> float:  # the first linear stays low, the second is raised
+        wide = any(s == (16, 8) for s in trial.shapes)
+        return (1.0 if wide else 2.0) if trial.dtype is not torch.float32 else (2.0 if wide else 1.0)
+
+    monkeypatch.setattr(autotune_compiled, "time_programs", fake_times)
+    with measuring(timer=lambda fn, trial: first_wide(trial), cache=MeasurementCache(), check_accuracy=False):
+        cm = graphamp.convert(model, (x,), dtype=BF16, mode="autotune", compile=True)
+    assert calls == [["autocast's dtypes", "every op raised", "plan"]]
+    plan = graphamp.AutotunePlan.of(cm.amp)
+    assert set(plan.decisions.values()) == {torch.float32} and len(plan.decisions) == 2
+    assert plan.compiled.startswith("compiled: every op raised (plan 2 ms, autocast's dtypes 2 ms, every op raised 1 ms)")
+    assert "every op raised: relative RMS error" in plan.accuracy and "compiled: every op raised" in plan.summary()
+    assert isinstance(cm, graphamp.CompiledAmpModule) and cm.runs_compiled
+    assert all(p.grad is None for p in model.parameters())  # timing computed gradients without touching .grad
+    y = cm(x)
+    assert y.dtype == torch.float32  # every op in fp32: the fp32 model, compiled
+    torch.testing.assert_close(y, model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_given_plan_is_compiled_as_it_is(monkeypatch):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 4)).eval(), torch.randn(2, 8)
+    with measuring(timer=lambda fn, trial: 1.0 if trial.dtype is torch.float32 else 2.0, cache=MeasurementCache(), check_accuracy=False):
+        plan = graphamp.AutotunePlan.of(graphamp.convert(model, (x,), mode="autotune", inference=True))
+    monkeypatch.setattr(autotune_compiled, "time_programs", lambda runs, **kw: pytest.fail("a given plan is not re-timed"))
+    cm = graphamp.convert(model, (x,), mode="autotune", inference=True, compile=True, config=graphamp.Config(plan=plan))
+    assert graphamp.AutotunePlan.of(cm.amp).compiled == "" and dict(graphamp.AutotunePlan.of(cm.amp).decisions) == dict(plan.decisions)
+
+
+def test_compiled_trainstep_autotune_trains_the_fastest_candidate(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    monkeypatch.setattr(
+        autotune_compiled, "time_programs", lambda runs, **kw: {name: 1.0 if name == "autocast's dtypes" else 2.0 for name in runs}
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with measuring(timer=lambda fn, trial: 1.0 if trial.dtype is torch.float32 else 2.0, cache=MeasurementCache(), check_accuracy=False):
+        step = graphamp.TrainStep(model, nn.functional.mse_loss, opt, dtype=BF16, mode="autotune", compile=True)
+        before = [p.detach().clone() for p in model.parameters()]
+        losses = [float(step(x, target=y)) for _ in range(2)]
+    plan = graphamp.AutotunePlan.of(step.module)
+    assert set(plan.decisions.values()) == {BF16} and plan.compiled.startswith("compiled: autocast's dtypes")
+    assert step._compiled.amp is step.module and step._compiled.runs_compiled
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters())) and losses[1] < losses[0]
