@@ -155,9 +155,24 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
                 torch._dynamo.reset()
+    for line in same_kernels(rows):
+        print(line)
     if ns.json:
         ns.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0
+
+
+def same_kernels(rows: list[dict[str, Any]]) -> list[str]:
+    """Per model and task: whether both programs generated the same kernels (by descriptive name,
+    the graph's number dropped), else the names only one of them has."""
+    kernels: dict[tuple[str, str], list[set[str]]] = {}
+    for row in rows:
+        names = {re.sub(r"^graph_\d+_", "", n) for group in row["kernel_names"].values() for n in group}
+        kernels.setdefault((row["model"], row["task"]), []).append(names)
+    return [
+        f"{model} {task}: " + ("the same kernels" if len(sets) == 2 and sets[0] == sets[1] else f"differ in {sorted(set.union(*sets) - set.intersection(*sets))}")
+        for (model, task), sets in kernels.items()
+    ]
 
 
 if __name__ == "__main__":

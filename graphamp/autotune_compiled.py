@@ -59,7 +59,8 @@ def time_programs(runs: dict[str, Callable[[], Any]], *, rounds: int = ROUNDS) -
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
-            timer = benchmark.Timer("run()", globals={"run": run})
+            # Timer runs with one thread unless told: time with the threads the program will use.
+            timer = benchmark.Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
             samples[name].append(timer.timeit(numbers[name]).mean * 1e3)
     return {name: statistics.median(times) for name, times in samples.items()}
 
@@ -72,7 +73,7 @@ def fastest_compiled(
     on the example: forward, and backward to the parameters where the conversion keeps gradients.
     ``compile_fn(program, model, args, kwargs)`` compiles one (default: ``convert(compile=True)``'s)."""
     from graphamp.compiled import compile_converted
-    from graphamp.convert import errors_against_fp32, replay
+    from graphamp.convert import _checked_params, errors_against_fp32, replay
 
     compile_fn = compile_fn or compile_converted
     from graphamp.probe import _state_restored
@@ -115,7 +116,7 @@ def fastest_compiled(
                 notes.append(f"{name}: not compiled ({type(e).__name__})")
     if len(compiled) == 1:
         return _chosen(compiled["plan"], caught["plan"], "plan", {}, notes, spec)
-    params = [] if spec.inference else [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+    params = _checked_params(model, spec)
 
     def run(cm: nn.Module) -> Callable[[], Any]:
         def call() -> Any:

@@ -93,6 +93,9 @@ def convert(
             (inductor fuses and reduces its own way). The example runs through it once now, which
             compiles it (a failure raises :class:`graphamp.CompileError`) and measures its drift
             from eager autocast (``cm.drift``). Returns a :class:`graphamp.CompiledAmpModule`.
+            With ``mode="autotune"`` (and no plan given) up to three programs are compiled, the
+            plan's, autocast's dtypes and every op raised, and the fastest on the example is
+            returned (:mod:`graphamp.autotune_compiled`; ``AutotunePlan.of(cm.amp).compiled``).
 
     Returns:
         An :class:`AmpModule`: a GraphModule with the casts in its code, sharing the model's
@@ -290,10 +293,6 @@ def _no_less_accurate(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dic
     if plan is None or not plan.raised:
         return amp
     start = time.perf_counter()
-
-    def replayed(decisions: AutotunePlan) -> AmpModule:
-        return replay(model, args, kwargs, spec, decisions)
-
     try:
         measured = errors_against_fp32({"plan": amp}, model, args, kwargs, spec)
         err_tuned, err_low = measured["plan"], measured["autocast"]
@@ -310,7 +309,7 @@ def _no_less_accurate(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dic
     everything = _every_op_raised(plan)
     if everything is not None:
         try:
-            raised = replayed(everything)
+            raised = replay(model, args, kwargs, spec, everything)
             err_all = errors_against_fp32({"raised": raised}, model, args, kwargs, spec)["raised"]
         except Exception:  # noqa: BLE001 (the fallback is optional: undo the raises instead)
             err_all = math.inf
@@ -324,7 +323,7 @@ def _no_less_accurate(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dic
     undone = dataclasses.replace(plan, decisions=dict.fromkeys(plan.decisions, spec.dtype), accuracy=(
         f"raises undone: with {len(plan.raised)} op(s) raised, {errors}"
     ))
-    again = replayed(undone)
+    again = replay(model, args, kwargs, spec, undone)
     again.meta[PLAN_META] = dataclasses.replace(undone, check_s=time.perf_counter() - start)
     return again
 

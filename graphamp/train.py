@@ -251,7 +251,9 @@ class TrainStep:
             (:class:`graphamp.compiled.CompiledOptimizerStep`; not a ``fused=True`` optimizer,
             which runs its own kernel). Faster; no longer bitwise equal to the eager loop (inductor
             rounds its fused kernels its own way, dropout draws from inductor's generator). The
-            self-check still checks the converted graph, uncompiled. The first call compiles.
+            self-check still checks the converted graph, uncompiled. The first call compiles
+            (with ``mode="autotune"``: up to three candidate programs, keeping the fastest forward
+            and backward on that batch, as :func:`graphamp.convert` does).
         mode: "exact" (default: the step equals the eager AMP loop bit for bit) or "autotune":
             :func:`graphamp.convert`'s autotune on the model and loss, timing each op's forward and
             backward on this machine and raising to fp32 the low-precision ops that run faster in

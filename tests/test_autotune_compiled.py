@@ -91,3 +91,10 @@ def test_compiled_trainstep_autotune_trains_the_fastest_candidate(monkeypatch):
     assert set(plan.decisions.values()) == {BF16} and plan.compiled.startswith("compiled: autocast's dtypes")
     assert step._compiled.amp is step.module and step._compiled.runs_compiled
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters())) and losses[1] < losses[0]
+
+
+def test_programs_are_timed_with_the_callers_threads(monkeypatch):
+    monkeypatch.setattr(autotune_compiled, "MIN_ROUND_S", 0.0)
+    seen = []
+    times = autotune_compiled.time_programs({"plan": lambda: seen.append(torch.get_num_threads())}, rounds=2)
+    assert set(seen) == {torch.get_num_threads()} and len(seen) >= 3 and times["plan"] >= 0.0
