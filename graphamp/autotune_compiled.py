@@ -5,9 +5,10 @@ inductor fuses the casts, prepacks weights and lowers an emulated fp16 convoluti
 this project's AMD EPYC (fp16 emulated) the checkerboard's autotuned plan kept two fp16 convolutions
 that eager timed faster, and compiled it trained at 19.3 ms a step against 9.7 ms with every
 convolution in fp32. So with ``compile=True`` up to three programs are compiled and timed on the
-example, interleaved: the plan's own, autocast's dtypes (the plan's raises undone) and every op
-raised (each, like the plan, no less accurate than eager autocast on the example). The plan's own is
-kept unless another is more than :data:`MARGIN` faster. Each candidate costs a compile.
+example, in interleaved rounds: the plan's own, autocast's dtypes (the plan's raises undone) and every
+op raised (each, like the plan, no less accurate than eager autocast on the example). Each is judged
+by the median over the rounds of its time over the plan's in the same round, and the plan's own is
+kept unless another's is below ``1 - MARGIN``. Each candidate costs a compile.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from graphamp.plan import AutotunePlan
 from graphamp.policy import short_dtype
 from graphamp.spec import AmpSpec
 
-__all__ = ["MARGIN", "candidate_plans", "fastest_compiled", "pick", "time_programs"]
+__all__ = ["MARGIN", "candidate_plans", "fastest_compiled", "pick", "ratios_to_plan", "time_programs"]
 
 # Another candidate replaces the plan's own program only when its median is this much lower.
 MARGIN = 0.03
-ROUNDS = 5
+ROUNDS = 7
 MIN_ROUND_S = 0.05
 
 
@@ -48,8 +49,8 @@ def candidate_plans(plan: AutotunePlan, dtype: torch.dtype) -> dict[str, Autotun
     return candidates
 
 
-def time_programs(runs: dict[str, Callable[[], Any]], *, rounds: int = ROUNDS) -> dict[str, float]:
-    """Median ms per call of each ``run``, over ``rounds`` interleaved rounds of at least
+def time_programs(runs: dict[str, Callable[[], Any]], *, rounds: int = ROUNDS) -> dict[str, list[float]]:
+    """ms per call of each ``run`` in each of ``rounds`` interleaved rounds of at least
     :data:`MIN_ROUND_S` each (the first call of each, before, untimed)."""
     numbers = {}
     for name, run in runs.items():
@@ -62,7 +63,7 @@ def time_programs(runs: dict[str, Callable[[], Any]], *, rounds: int = ROUNDS) -
             # Timer runs with one thread unless told: time with the threads the program will use.
             timer = benchmark.Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
             samples[name].append(timer.timeit(numbers[name]).mean * 1e3)
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return samples
 
 
 def fastest_compiled(
@@ -130,25 +131,35 @@ def fastest_compiled(
         return call
 
     with _state_restored(model):
-        times = time_programs({name: run(cm) for name, cm in compiled.items()})
-    best = pick(times)
-    return _chosen(compiled[best], caught[best], best, times, notes, spec)
+        samples = time_programs({name: run(cm) for name, cm in compiled.items()})
+    best = pick(samples)
+    return _chosen(compiled[best], caught[best], best, samples, notes, spec)
 
 
-def pick(times: dict[str, float]) -> str:
-    """The fastest of ``times`` (ms per call), or ``"plan"`` unless the fastest is more than
-    :data:`MARGIN` faster than it."""
-    best = min(times, key=times.__getitem__)
-    return best if times[best] < times["plan"] * (1 - MARGIN) else "plan"
+def ratios_to_plan(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Each program's median, over the rounds, of its time divided by the plan's in the same round:
+    a slow spell of a shared machine slows both of a round's programs and cancels."""
+    return {name: statistics.median(t / p for t, p in zip(times, samples["plan"])) for name, times in samples.items()}
 
 
-def _chosen(cm: nn.Module, caught: list[warnings.WarningMessage], name: str, times: dict[str, float], notes: list[str], spec: AmpSpec) -> nn.Module:
+def pick(samples: dict[str, list[float]]) -> str:
+    """The program with the lowest :func:`ratios_to_plan`, or ``"plan"`` unless that ratio is
+    below ``1 - MARGIN``."""
+    ratios = ratios_to_plan(samples)
+    best = min(ratios, key=ratios.__getitem__)
+    return best if ratios[best] < 1 - MARGIN else "plan"
+
+
+def _chosen(cm: nn.Module, caught: list[warnings.WarningMessage], name: str, samples: dict[str, list[float]], notes: list[str], spec: AmpSpec) -> nn.Module:
     """``cm`` with the choice in its plan, and the warnings its compile gave, given again."""
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     amp = getattr(cm, "amp", cm)
     plan = amp.meta[PLAN_META]
-    timed = ", ".join(f"{n} {ms:.3g} ms" for n, ms in times.items())
+    ratios = ratios_to_plan(samples) if samples else {}
+    timed = ", ".join(
+        f"{n} {statistics.median(ms):.3g} ms" + (f" ({ratios[n]:.2f}x)" if n != "plan" else "") for n, ms in samples.items()
+    )
     line = f"compiled: {'the plan' if name == 'plan' else name} ({timed or 'no other candidate compiled'})"
     if notes:
         line += f"; {'; '.join(notes)}"
