@@ -56,8 +56,10 @@ class Drift:
 
     ``max_abs`` is the largest absolute difference over every floating output; ``max_rel`` the
     largest difference relative to the largest magnitude of that output in eager; ``grads_max_abs``
-    and ``grads_max_rel`` the same over parameter gradients of verify's fixed loss (None when not
-    compared). ``bitwise`` is True when every compared value is equal. ``comparable`` is False when
+    the same over parameter gradients of verify's fixed loss and ``grads_max_rel`` it relative to
+    the largest gradient magnitude over all parameters (None when not compared): one scale for the
+    gradients, since a gradient that is zero in exact arithmetic (a convolution's bias before batch
+    norm: eager gives 1e-5-sized noise) would make its own ratio meaningless. ``bitwise`` is True when every compared value is equal. ``comparable`` is False when
     the module draws random numbers (dropout in training), which inductor draws from its own
     generator: then no value was compared and ``note`` says so.
     """
@@ -400,13 +402,18 @@ def measure_drift(cm: CompiledAmpModule, model: nn.Module, args: tuple = (), kwa
     g_abs = g_rel = None
     if grads:
         names = [n for n in ref.grads if ref.grads[n] is not None and got.grads.get(n) is not None]
-        g_abs, g_rel, _, g_bitwise = _tree_errors([got.grads[n] for n in names], [ref.grads[n] for n in names])
+        g_abs, g_rel, _, g_bitwise = _tree_errors([got.grads[n] for n in names], [ref.grads[n] for n in names], one_scale=True)
         bitwise = bitwise and g_bitwise
     return Drift(out_abs, out_rel, same_dtypes, bitwise, g_abs, g_rel)
 
 
-def _tree_errors(got: list[Any], ref: list[Any]) -> tuple[float, float, bool, bool]:
+def _tree_errors(got: list[Any], ref: list[Any], *, one_scale: bool = False) -> tuple[float, float, bool, bool]:
+    """(largest absolute difference, largest relative difference, same dtypes and shapes, bitwise).
+    Relative to each tensor's largest magnitude in ``ref``, or with ``one_scale`` to the largest
+    magnitude over all of ``ref``."""
     worst_abs = worst_rel = 0.0
+    scales = [float(b.double().abs().nan_to_num(0.0).max()) for b in ref if isinstance(b, torch.Tensor) and b.is_floating_point() and b.numel()]
+    overall = max(scales, default=0.0)
     same_dtypes = len(got) == len(ref)
     bitwise = same_dtypes
     for a, b in zip(got, ref):
@@ -420,7 +427,7 @@ def _tree_errors(got: list[Any], ref: list[Any]) -> tuple[float, float, bool, bo
         if bool((diff.isnan() & ~b.isnan()).any()):
             return math.inf, math.inf, same_dtypes, False
         err = float(diff.nan_to_num(0.0).max())
-        scale = float(b.double().abs().nan_to_num(0.0).max())
+        scale = overall if one_scale else float(b.double().abs().nan_to_num(0.0).max())
         worst_abs = max(worst_abs, err)
         worst_rel = max(worst_rel, err / scale if scale else (0.0 if err == 0 else math.inf))
         bitwise = bitwise and err == 0.0

@@ -361,3 +361,14 @@ def test_verify_reports_the_compiled_drift_apart_from_ok():
     assert report.ok and report.compiled_drift is not None  # ok is the exact conversion's
     assert "compiled (convert(..., compile=True), inductor, not bitwise)" in str(report)
     assert graphamp.verify(model, (x,)).compiled_drift is None
+
+
+def test_gradient_drift_is_relative_to_the_largest_gradient():
+    from graphamp.compiled import _tree_errors
+
+    ref = [torch.tensor([1e-5, -1e-5]), torch.tensor([2.0, -4.0])]  # a bias before batch norm: noise around 0
+    got = [torch.tensor([2e-4, 0.0]), torch.tensor([2.0, -4.004])]
+    per_tensor = _tree_errors(got, ref)
+    one_scale = _tree_errors(got, ref, one_scale=True)
+    assert per_tensor[1] == pytest.approx(19.0) and one_scale[1] == pytest.approx(0.004 / 4.0, rel=1e-3)
+    assert per_tensor[0] == one_scale[0] == pytest.approx(0.004, rel=1e-3)
