@@ -94,15 +94,22 @@ def inductor_patches(**patches: Any) -> dict[str, Any]:
 
 class _Inductor:
     """Inductor with these config patches, as a backend of its own: ``torch.compile`` caches
-    compiled code per backend, so a recompile (``refresh``) never reuses frozen constants."""
+    compiled code per backend, so a recompile (``refresh``) never reuses frozen constants.
+
+    AOTAutograd compiles the backward with the forward, not at the first ``backward()``: a backward
+    inductor cannot compile then fails inside the module's call, where :class:`CompiledAmpModule`
+    falls back to the uncompiled graph (and ``convert(compile=True)`` raises ``CompileError``),
+    instead of raising from ``loss.backward()`` in the user's loop."""
 
     def __init__(self, patches: dict[str, Any]) -> None:
         self.patches = dict(patches)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        import torch._functorch.config as functorch_config
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches=self.patches)
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            return compile_fx(gm, example_inputs, config_patches=self.patches)
 
 
 class CompiledAmpModule(nn.Module):
@@ -291,11 +298,9 @@ class CompiledAmpModule(nn.Module):
 
 @contextlib.contextmanager
 def _grouped_mm_compiles() -> Iterator[None]:
-    """Dynamo and inductor trace ``aten._grouped_mm`` with the widened fake kernel; AOTAutograd
-    compiles the backward with the forward (not at the first backward, outside this context)."""
-    import torch._functorch.config as functorch_config
-
-    with eager_kernel_metas(), functorch_config.patch(force_non_lazy_backward_lowering=True):
+    """Dynamo and inductor trace ``aten._grouped_mm`` with the widened fake kernel (the backward is
+    compiled with the forward, inside this context: see :class:`_Inductor`)."""
+    with eager_kernel_metas():
         yield
 
 
@@ -348,6 +353,11 @@ def _shapes_of(args: tuple, kwargs: dict) -> tuple:
 
 
 def _first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message; for dynamo's ``BackendCompilerFailed``, whose first line
+    only names the backend, that of the error inductor raised, after its type."""
+    inner = getattr(e, "inner_exception", None)
+    if isinstance(inner, BaseException):
+        return f"{type(inner).__name__}: {_first_line(inner)}"
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else ""
 

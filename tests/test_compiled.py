@@ -372,3 +372,35 @@ def test_gradient_drift_is_relative_to_the_largest_gradient():
     one_scale = _tree_errors(got, ref, one_scale=True)
     assert per_tensor[1] == pytest.approx(19.0) and one_scale[1] == pytest.approx(0.004 / 4.0, rel=1e-3)
     assert per_tensor[0] == one_scale[0] == pytest.approx(0.004, rel=1e-3)
+
+
+def test_a_backward_inductor_cannot_compile_falls_back_in_the_forward(monkeypatch):
+    # AOTAutograd compiles the backward with the forward, so the failure meets the module's fallback
+    # instead of raising from backward() in the user's loop.
+    import torch._inductor.compile_fx as compile_fx_module
+
+    real = compile_fx_module.compile_fx
+
+    def compile_fx(gm, example_inputs, inner_compile=compile_fx_module.compile_fx_inner, **kw):
+        def failing(g, inputs, **k):
+            if k.get("is_backward"):
+                raise RuntimeError("simulated: inductor cannot compile this backward")
+            return inner_compile(g, inputs, **k)
+
+        return real(gm, example_inputs, inner_compile=failing, **kw)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)
+    cm = CompiledAmpModule(amp, freezing=False)
+    # Compiled code cached by an earlier test would skip the compile this test makes fail.
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        with pytest.warns(graphamp.CompileFallbackWarning, match="simulated: inductor cannot compile this backward"):
+            y = cm(x)
+    y.float().sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    amp(x).float().sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters()))  # the uncompiled, exact graph ran
