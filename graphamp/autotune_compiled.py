@@ -75,29 +75,31 @@ def fastest_compiled(
     ``compile_fn(program, model, args, kwargs)`` compiles one (default: ``convert(compile=True)``'s)."""
     from graphamp.compiled import compile_converted
     from graphamp.convert import _checked_params, errors_against_fp32, replay
+    from graphamp.probe import _state_restored
 
     compile_fn = compile_fn or compile_converted
-    from graphamp.probe import _state_restored
 
     plan = amp.meta[PLAN_META]
     programs: dict[str, AmpModule] = {}
     notes = []
-    for name, decisions in candidate_plans(plan, spec.dtype).items():
+    candidates = candidate_plans(plan, spec.dtype)
+    for name, decisions in candidates.items():
         try:
             programs[name] = replay(model, args, kwargs, spec, decisions)
         except Exception as e:  # noqa: BLE001 (a candidate is optional)
             notes.append(f"{name}: not converted ({type(e).__name__})")
-            continue
-        programs[name].meta[PLAN_META] = dataclasses.replace(decisions, accuracy="autocast's dtypes: eager autocast's accuracy")
-    if "every op raised" in programs:  # autocast's dtypes are autocast's accuracy by definition
+    if "autocast's dtypes" in programs:  # autocast's accuracy by definition
+        programs["autocast's dtypes"].meta[PLAN_META] = dataclasses.replace(
+            candidates["autocast's dtypes"], accuracy="autocast's dtypes: eager autocast's accuracy"
+        )
+    if "every op raised" in programs:
         try:
             errors = errors_against_fp32({"every op raised": programs["every op raised"]}, model, args, kwargs, spec)
         except Exception as e:  # noqa: BLE001 (unchecked: not a candidate)
             errors = {"every op raised": math.inf, "autocast": 0.0}
             notes.append(f"every op raised: error not checked ({type(e).__name__})")
         if errors["every op raised"] <= errors["autocast"]:
-            raised = programs["every op raised"]
-            raised.meta[PLAN_META] = dataclasses.replace(raised.meta[PLAN_META], accuracy=(
+            programs["every op raised"].meta[PLAN_META] = dataclasses.replace(candidates["every op raised"], accuracy=(
                 f"every op raised: relative RMS error vs fp32 on the example {errors['every op raised']:.3g}, "
                 f"eager autocast's {errors['autocast']:.3g}"
             ))
