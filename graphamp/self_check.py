@@ -326,7 +326,10 @@ def _run(call: Callable[[], Any], model: nn.Module, *, grads: bool, no_grad: boo
 
 
 def _loss(out: Any) -> torch.Tensor:
-    """verify's fixed loss: every floating output, position-weighted, summed in fp32."""
+    """verify's fixed loss: every floating output, position-weighted, summed in fp32:
+    sum_i (i + 1) * (out_i.float() * linspace(-1, 1)).sum(). Position-dependent weights give every
+    output element a distinct gradient, so a gradient that lands in the wrong place, or is summed in
+    another order, shows."""
     total = torch.zeros((), dtype=torch.float32)
     floats = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     for i, t in enumerate(floats):

@@ -241,7 +241,7 @@ class GradNumerics:
 
 
 def _grads(call: Any, params: list[nn.Parameter], scale: float, seed: int) -> list[torch.Tensor | None]:
-    from graphamp.verify.grads import _loss
+    from graphamp.self_check import _loss
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

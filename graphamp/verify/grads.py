@@ -21,21 +21,10 @@ from graphamp.emit import AmpModule
 from graphamp.passes.graph_edit import is_graphamp_cast
 from graphamp.node_info import peek
 from graphamp.policy import short_dtype
+from graphamp.self_check import _loss  # the fixed loss both sides backpropagate
 from graphamp.verify.report import GradCheck, GradDivergence, _equal_nan, _errors
 from graphamp.verify.signatures import _is_passthrough, _op_name, _type_name
 from graphamp.verify.reference import _rng_state, _set_rng_state
-
-
-def _loss(out: Any) -> torch.Tensor:
-    """The fixed scalar both sides backpropagate: sum_i (i + 1) * (out_i.float() * linspace(-1, 1)).sum()."""
-    # Position-dependent weights give every output element a distinct gradient, so a gradient
-    # that lands in the wrong place, or is summed in another order, shows.
-    total = torch.zeros((), dtype=torch.float32)
-    floats = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    for i, t in enumerate(floats):
-        w = torch.linspace(-1, 1, t.numel(), dtype=torch.float32, device=t.device).reshape(t.shape) * (i + 1)
-        total = total + (t.float() * w).sum()
-    return total
 
 
 def _grad_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tuple[str, torch.Tensor]]]:
