@@ -135,7 +135,9 @@ class CompiledAmpModule(nn.Module):
 
     __module__ = "graphamp"
 
-    def __init__(self, amp: AmpModule, *, freezing: bool | None = None, mode: str | None = None) -> None:
+    def __init__(
+        self, amp: AmpModule, *, freezing: bool | None = None, mode: str | None = None, options: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
         if not isinstance(amp, AmpModule):
             raise TypeError(f"CompiledAmpModule compiles a graphamp.AmpModule, got {type(amp).__name__}")
@@ -148,6 +150,7 @@ class CompiledAmpModule(nn.Module):
         self.__dict__["amp"] = amp
         self.__dict__["_freezing"] = info.inference if freezing is None else bool(freezing)
         self.__dict__["_mode"] = mode
+        self.__dict__["_options"] = dict(options or {})  # more inductor config patches (cpp_wrapper)
         self.__dict__["_compiled"] = None
         self.__dict__["_fallback_warned"] = False
         self.__dict__["_lock"] = threading.Lock()
@@ -184,6 +187,7 @@ class CompiledAmpModule(nn.Module):
                         from torch._inductor import list_mode_options
 
                         patches.update(list_mode_options(self.__dict__["_mode"]))
+                    patches.update(self.__dict__.get("_options", {}))
                     compiled = torch.compile(_own_function(self.amp), backend=_Inductor(patches))
                     self.__dict__["_compiled"] = compiled
         return compiled
@@ -274,7 +278,8 @@ class CompiledAmpModule(nn.Module):
 
     def extra_repr(self) -> str:
         info = self.amp.graphamp_info
-        return f"inductor{' (freezing)' if self.__dict__['_freezing'] else ''}, {info.device_type} {info.dtype}, mode={info.mode!r}"
+        options = "".join(f", {k}={v!r}" for k, v in self.__dict__.get("_options", {}).items())
+        return f"inductor{' (freezing)' if self.__dict__['_freezing'] else ''}{options}, {info.device_type} {info.dtype}, mode={info.mode!r}"
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -290,7 +295,7 @@ class CompiledAmpModule(nn.Module):
         import copy
 
         amp = copy.deepcopy(self.amp, memo)  # AmpModule's deepcopy keeps the conversion's record
-        new = CompiledAmpModule(amp, freezing=self.__dict__["_freezing"], mode=self.__dict__["_mode"])
+        new = CompiledAmpModule(amp, freezing=self.__dict__["_freezing"], mode=self.__dict__["_mode"], options=self.__dict__.get("_options"))
         new.meta = dict(self.meta)
         memo[id(self)] = new
         return new
@@ -444,7 +449,9 @@ def _tree_errors(got: list[Any], ref: list[Any], *, one_scale: bool = False) -> 
     return worst_abs, worst_rel, same_dtypes, bitwise
 
 
-def compile_converted(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, *, mode: str | None = None) -> nn.Module:
+def compile_converted(
+    amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, *, mode: str | None = None, options: dict[str, Any] | None = None
+) -> nn.Module:
     """``amp`` compiled, and compiled now: the example runs through it once (model state restored
     after), which is where a failure to compile raises :class:`CompileError`; its difference from
     eager autocast on the example is kept in ``.drift``."""
@@ -458,7 +465,7 @@ def compile_converted(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dic
             stacklevel=3,
         )
         return amp
-    cm = CompiledAmpModule(amp, mode=mode)
+    cm = CompiledAmpModule(amp, mode=mode, options=options)
     start = time.perf_counter()
     try:
         with _state_restored(model), torch.inference_mode(False), torch.enable_grad():

@@ -108,3 +108,28 @@ def test_programs_are_timed_with_the_callers_threads(monkeypatch):
     seen = []
     samples = autotune_compiled.time_programs({"plan": lambda: seen.append(torch.get_num_threads())}, rounds=2)
     assert set(seen) == {torch.get_num_threads()} and len(seen) >= 3 and len(samples["plan"]) == 2
+
+
+def test_inference_keeps_the_cpp_wrapper_where_it_times_faster(monkeypatch):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), torch.randn(4, 8)
+    stages = []
+
+    def fake_times(runs, **kw):
+        stages.append(sorted(runs))
+        for run in runs.values():
+            run()
+        # The plan beats every op raised; then its C++-wrapper build beats it.
+        return {name: [1.0] if name in ("C++ wrapper", "plan") and len(stages) == (2 if name == "C++ wrapper" else 1) else [2.0] for name in runs}
+
+    monkeypatch.setattr(autotune_compiled, "time_programs", fake_times)
+    with measuring(timer=lambda fn, trial: 1.0 if trial.dtype is not torch.float32 else 2.0, cache=MeasurementCache(), check_accuracy=False):
+        cm = graphamp.convert(model, (x,), dtype=BF16, mode="autotune", inference=True, compile=True)
+    assert stages == [["every op raised", "plan"], ["C++ wrapper", "plan"]]
+    assert cm.__dict__["_options"] == {"cpp_wrapper": True} and cm.runs_compiled and "cpp_wrapper=True" in repr(cm)
+    plan = graphamp.AutotunePlan.of(cm.amp)
+    assert plan.compiled.startswith("compiled: the plan (") and "C++ wrapper 1 ms against 2 ms (0.50x), kept" in plan.compiled
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model(x)
+    y = cm(x)
+    assert y.dtype == expected.dtype and float((y.float() - expected.float()).abs().max()) < 0.05
