@@ -404,3 +404,14 @@ def test_a_backward_inductor_cannot_compile_falls_back_in_the_forward(monkeypatc
     model.zero_grad()
     amp(x).float().sum().backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters()))  # the uncompiled, exact graph ran
+
+
+def test_inductor_options_are_kept_by_copies_and_pickles():
+    torch.manual_seed(0)
+    model, x = _block(), torch.randn(2, 16)
+    cm = CompiledAmpModule(graphamp.convert(model, (x,)), options={"cpp_wrapper": True})
+    buf = io.BytesIO()
+    torch.save(cm, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(cm), torch.load(buf, weights_only=False)):
+        assert other.__dict__["_options"] == {"cpp_wrapper": True} and "cpp_wrapper=True" in repr(other)
