@@ -72,6 +72,9 @@ class Drift:
     grads_max_rel: float | None = None
     comparable: bool = True
     note: str = ""
+    # The output dtypes differ from eager autocast's by design: an autotune plan's raised ops
+    # return fp32, as the uncompiled converted module's do.
+    dtypes_by_plan: bool = False
 
     def line(self) -> str:
         if not self.comparable:
@@ -79,7 +82,9 @@ class Drift:
         out = f"outputs max abs {self.max_abs:.3g} (rel {self.max_rel:.3g})"
         if self.grads_max_abs is not None:
             out += f", gradients max abs {self.grads_max_abs:.3g} (rel {self.grads_max_rel:.3g})"
-        if not self.dtypes_match:
+        if not self.dtypes_match and self.dtypes_by_plan:
+            out += f", output dtypes as the autotune plan makes them ({self.note})"
+        elif not self.dtypes_match:
             out += ", OUTPUT DTYPES DIFFER" + (f" ({self.note})" if self.note else "")
         return out + (" (bitwise)" if self.bitwise else "")
 
@@ -486,9 +491,8 @@ def compile_converted(
         drift = Drift(None, None, True, False, comparable=False, note=f"eager autocast could not run the example ({type(e).__name__}: {_first_line(e)})")
     cm.meta[DRIFT_META] = drift
     if not drift.dtypes_match and _dtypes_follow_converted(cm, amp, model, args, kwargs):
-        drift = cm.meta[DRIFT_META] = dataclasses.replace(drift, note=(
-            "output dtypes differ from eager autocast's by the autotune plan (raised ops return fp32), "
-            "as the uncompiled module's do"))
+        drift = cm.meta[DRIFT_META] = dataclasses.replace(drift, dtypes_by_plan=True, note=(
+            "raised ops return fp32 where eager autocast returns the low dtype, as the uncompiled module's do"))
     elif not drift.dtypes_match:
         # Inductor ran another program, not the converted graph rounded differently (the autocast
         # state a fused kernel's call sets inside the graph, lost in compilation): never return that.

@@ -69,6 +69,7 @@ def test_compiled_autotune_returns_the_fastest_candidate(monkeypatch):
     assert plan.compiled.startswith("compiled: every op raised (plan 2 ms, autocast's dtypes 2 ms (1.00x), every op raised 1 ms (0.50x))")
     assert "every op raised: relative RMS error" in plan.accuracy and "compiled: every op raised" in plan.summary()
     assert isinstance(cm, graphamp.CompiledAmpModule) and cm.runs_compiled
+    assert cm.drift.dtypes_by_plan and "output dtypes as the autotune plan makes them" in cm.drift.line()
     assert all(p.grad is None for p in model.parameters())  # timing computed gradients without touching .grad
     y = cm(x)
     assert y.dtype == torch.float32  # every op in fp32: the fp32 model, compiled
