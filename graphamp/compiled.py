@@ -59,9 +59,10 @@ class Drift:
     the same over parameter gradients of verify's fixed loss and ``grads_max_rel`` it relative to
     the largest gradient magnitude over all parameters (None when not compared): one scale for the
     gradients, since a gradient that is zero in exact arithmetic (a convolution's bias before batch
-    norm: eager gives 1e-5-sized noise) would make its own ratio meaningless. ``bitwise`` is True when every compared value is equal. ``comparable`` is False when
-    the module draws random numbers (dropout in training), which inductor draws from its own
-    generator: then no value was compared and ``note`` says so.
+    norm: eager gives 1e-5-sized noise) would make its own ratio meaningless. ``bitwise`` is True
+    when every compared value is equal. ``comparable`` is False when the module draws random numbers
+    (dropout in training), which inductor draws from its own generator: then no value was compared
+    and ``note`` says so.
     """
 
     max_abs: float | None
@@ -432,8 +433,12 @@ def _tree_errors(got: list[Any], ref: list[Any], *, one_scale: bool = False) -> 
     Relative to each tensor's largest magnitude in ``ref``, or with ``one_scale`` to the largest
     magnitude over all of ``ref``."""
     worst_abs = worst_rel = 0.0
-    scales = [float(b.double().abs().nan_to_num(0.0).max()) for b in ref if isinstance(b, torch.Tensor) and b.is_floating_point() and b.numel()]
-    overall = max(scales, default=0.0)
+    def magnitude(b: torch.Tensor) -> float:
+        return float(b.double().abs().nan_to_num(0.0).max())
+
+    overall = max(
+        (magnitude(b) for b in ref if isinstance(b, torch.Tensor) and b.is_floating_point() and b.numel()), default=0.0
+    ) if one_scale else 0.0
     same_dtypes = len(got) == len(ref)
     bitwise = same_dtypes
     for a, b in zip(got, ref):
@@ -447,7 +452,7 @@ def _tree_errors(got: list[Any], ref: list[Any], *, one_scale: bool = False) -> 
         if bool((diff.isnan() & ~b.isnan()).any()):
             return math.inf, math.inf, same_dtypes, False
         err = float(diff.nan_to_num(0.0).max())
-        scale = overall if one_scale else float(b.double().abs().nan_to_num(0.0).max())
+        scale = overall if one_scale else magnitude(b)
         worst_abs = max(worst_abs, err)
         worst_rel = max(worst_rel, err / scale if scale else (0.0 if err == 0 else math.inf))
         bitwise = bitwise and err == 0.0
