@@ -37,6 +37,7 @@ from graphamp.capture.kernels import eager_kernel_metas
 from graphamp.emit import AmpModule
 from graphamp.errors import CompileError, CompileFallbackWarning, GraphampError, InputMismatchError, InputShapeError, InputValueError
 from graphamp.runtime import RESTORE_ON_REFUSAL, compiled_guards, restored_on_refusal
+from graphamp.shared_state import compile_scoped
 from graphamp.spec import autocast_off
 
 __all__ = [
@@ -242,16 +243,18 @@ class CompiledAmpModule(nn.Module):
             compiled_guards(),
             autocast_off((info.device_type,)) if ambient else _nothing(),
             torch.no_grad() if info.inference else _nothing(),
-            _grouped_mm_compiles() if self._calls_grouped_mm() else _nothing(),
+            compile_scoped(*self._compile_settings()),
         ):
-            if self.__dict__["_freezing"]:
-                with inductor_freezing():
-                    return self._compiled_fn()(*args, **kwargs)
             return self._compiled_fn()(*args, **kwargs)
+
+    def _compile_settings(self) -> tuple[Callable[[], contextlib.AbstractContextManager], ...]:
+        """What the compiles of this module's calls run under (and nothing else does): inductor's
+        freezing where it freezes; the widened fake kernel where the graph calls ``_grouped_mm``."""
+        return (*((_freezing,) if self.__dict__["_freezing"] else ()), *((eager_kernel_metas,) if self._calls_grouped_mm() else ()))
 
     def _calls_grouped_mm(self) -> bool:
         """Whether the graph calls ``aten._grouped_mm`` (MoE experts), whose fake kernel refuses the
-        fp32 operands its CPU kernel takes: dynamo traces with :func:`eager_kernel_metas` then, as
+        fp32 operands its CPU kernel takes: its compiles trace with :func:`eager_kernel_metas` then, as
         capture does (else the compile fails and the module runs uncompiled)."""
         found = self.__dict__.get("_grouped_mm")
         if found is None:
@@ -307,34 +310,24 @@ class CompiledAmpModule(nn.Module):
         return new
 
 
-@contextlib.contextmanager
-def _grouped_mm_compiles() -> Iterator[None]:
-    """Dynamo and inductor trace ``aten._grouped_mm`` with the widened fake kernel (the backward is
-    compiled with the forward, inside this context: see :class:`_Inductor`)."""
-    with eager_kernel_metas():
-        yield
-
-
-class inductor_freezing:
-    """Inductor's ``freezing`` switched on for the duration, globally.
+def inductor_freezing() -> contextlib.AbstractContextManager:
+    """Inductor's ``freezing`` for the dynamo compiles this thread starts inside the block, and for
+    nothing else (:func:`graphamp.shared_state.compile_scoped`).
 
     ``torch.compile(..., options={"freezing": True})`` is not enough: dynamo reads the global flag
     (``torch._dynamo.utils.is_parameter_freezing``) when it traces, to make parameters and buffers
     static inputs that inductor may fold; without it inductor gets them as graph inputs and folds
-    nothing (no low-precision weights constant-folded, no oneDNN prepacking). Dynamo traces at
-    calls, so the flag is set around every call (a few microseconds).
+    nothing (no low-precision weights constant-folded, no oneDNN prepacking). The flag is set from
+    the start of such a compile to its end, under dynamo's compile lock, so no other compile sees
+    it; a call that does not compile changes nothing.
     """
+    return compile_scoped(_freezing)
 
-    def __enter__(self) -> None:
-        import torch._inductor.config as inductor_config
 
-        self._previous = inductor_config.freezing
-        inductor_config.freezing = True
+def _freezing() -> contextlib.AbstractContextManager:
+    import torch._inductor.config as inductor_config
 
-    def __exit__(self, *exc: object) -> None:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.freezing = self._previous
+    return inductor_config.patch(freezing=True)
 
 
 class _nothing:

@@ -24,6 +24,7 @@ from graphamp.passes import build_pipeline, run_passes
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.passes.autotune import PLAN_META, checks_accuracy
 from graphamp.passes.export_guards import guards_as_asserts
+from graphamp.shared_state import capture_lock
 from graphamp.plan import AutotunePlan
 from graphamp.policy import short_dtype
 from graphamp.probe import _state_restored, eager_sdpa_calls
@@ -436,7 +437,7 @@ def _rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, chec
     """Capture, observe eager and run the passes: the rewritten graph, before emit (graphamp.export
     hands it to torch.export instead)."""
     grads = not (spec.inference or spec.grad_free) and spec.target == "module"
-    with autocast_off():
+    with capture_lock(), autocast_off():
         if spec.capture == "values":
             gm = capture_by_values(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
         else:

@@ -33,7 +33,9 @@ from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
 from graphamp.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
+from graphamp.model_state import ModelState
 from graphamp.self_check import SELF_CHECK_META
+from graphamp.shared_state import in_capture
 from graphamp.runtime import (
     _MODEL, _NODE_META, RESTORE_ON_REFUSAL, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module,
     restored_on_refusal,
@@ -50,7 +52,7 @@ _MODES = "_graphamp_modes"  # the modules converted for another training mode, o
 # Keyword inputs passed as None when all ones: convert found eager's program for an all-ones mask is
 # the one it runs without the mask (the model drops it by value), and checked it (convert.py).
 ALL_ONES_AS_NONE = "_graphamp_all_ones_as_none"
-_MODEL_STATE = "_graphamp_model_state"  # (type, first parameter): what the model held at conversion
+_MODEL_STATE = "_graphamp_model_state"  # a ModelState: what the model held at conversion
 # How many other shape classes one converted module converts for before it refuses: each holds a
 # graph and costs a conversion (seconds), so inputs of ever new shapes should be padded instead.
 MAX_SHAPE_CLASSES = 8
@@ -63,8 +65,26 @@ PASSED_METHODS = frozenset({
     "save_pretrained", "push_to_hub", "get_input_embeddings", "get_output_embeddings", "num_parameters",
     "floating_point_ops", "estimate_tokens", "get_memory_footprint",
 })
-_RECONVERTING = threading.Lock()
 _log = logging.getLogger("graphamp")
+# One lock per converted module, under which it converts itself again, so that threads calling it
+# with inputs of one new class convert once. Per module, not process-wide: converting again checks
+# the new variant by calling it, which converts that variant again for calls without grad (under
+# the variant's own lock) while this one is held. Re-entrant: a model whose forward calls its own
+# converted module re-enters on one thread and recurses instead of waiting on itself.
+_RECONVERSION_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def _reconversion_lock(module: nn.Module) -> contextlib.AbstractContextManager:
+    """``module``'s re-conversion lock; none inside a capture, which holds the process-wide capture
+    lock that every re-conversion takes after this one (so waiting here could wait for ever)."""
+    if in_capture():
+        return contextlib.nullcontext()
+    with _LOCKS_LOCK:
+        lock = _RECONVERSION_LOCKS.get(module)
+        if lock is None:
+            lock = _RECONVERSION_LOCKS[module] = threading.RLock()
+    return lock
 
 
 @dataclass(frozen=True)
@@ -230,7 +250,7 @@ class AmpModule(GraphModule):
         modes = self.__dict__.setdefault(_MODES, {})
         variant = modes.get(key)
         if variant is None:
-            with _RECONVERTING:
+            with _reconversion_lock(self):
                 variant = modes.get(key)
                 if variant is None:
                     variant = modes[key] = self._converted_as(*key, args, kwargs)
@@ -291,33 +311,30 @@ class AmpModule(GraphModule):
         return variant
 
     def _check_parameters(self) -> None:
-        """Refuse to run where the model no longer holds the parameters the graph reads (FSDP's
-        ``fully_shard`` after conversion swaps the model's class and its parameters for sharded
-        ones): the graph would compute with, and train, tensors nobody optimizes. Checked per call
-        on the model's class and first parameter (cheap); ``check_model()`` compares them all."""
-        model, state = self.__dict__.get(_MODEL), self.__dict__.get(_MODEL_STATE)
-        if model is None or state is None:
-            return
-        if type(model) is not state[0] or next(iter(model.parameters()), None) is not state[1]():
+        """Refuse to run where the model no longer holds a parameter or buffer the graph reads
+        (replaced by assignment, ``load_state_dict(assign=True)``, a swapped submodule, or FSDP's
+        ``fully_shard`` after conversion): the graph would compute with, and train, tensors nobody
+        optimizes. Cheap per call (:class:`graphamp.model_state.ModelState`); ``check_model()``
+        compares every tensor."""
+        state = self.__dict__.get(_MODEL_STATE)
+        if state is not None and not state.unchanged():
             self.check_model()
 
     def check_model(self) -> None:
-        """Raise :class:`graphamp.ModelChangedError` if the model's parameters are not the ones this
-        module's graph reads (each compared, by identity)."""
-        model = self.__dict__.get(_MODEL)
-        if model is None:
+        """Raise :class:`graphamp.ModelChangedError` if the model no longer holds each parameter and
+        buffer it held at conversion (compared by identity), which this module's graph reads."""
+        model, state = self.__dict__.get(_MODEL), self.__dict__.get(_MODEL_STATE)
+        if model is None or state is None:
             return
-        ours = dict(self.named_parameters(remove_duplicate=False))
-        theirs = dict(model.named_parameters(remove_duplicate=False))
-        changed = [name for name, p in ours.items() if name in theirs and theirs[name] is not p]
-        gone = [name for name in ours if name not in theirs]
+        replaced = state.replaced(model)
+        theirs = [p for _, p in model.named_parameters(remove_duplicate=False)]
         sharded = type(model).__name__.startswith("FSDP") or any(
-            type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor" for p in theirs.values()
+            type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor" for p in theirs
         )
-        if not changed and not gone and not sharded:
-            self.__dict__[_MODEL_STATE] = _model_state(model)  # e.g. a class swapped by a wrapper: fine
+        if not replaced and not sharded:
+            state.accept(model)  # e.g. a class swapped by a wrapper, or a new submodule: fine
             return
-        names = ", ".join((changed + gone)[:3]) + (" ..." if len(changed) + len(gone) > 3 else "")
+        names = ", ".join(replaced[:3]) + (" ..." if len(replaced) > 3 else "")
         if sharded:
             raise ModelChangedError(
                 f"{type(model).__name__} was sharded (FSDP fully_shard) after graphamp converted it: the converted "
@@ -326,10 +343,10 @@ class AmpModule(GraphModule):
                 "sharded model), or torch.compile(model, backend=\"graphamp\")."
             )
         raise ModelChangedError(
-            f"{type(model).__name__}'s parameters were replaced after graphamp converted it ({len(changed) + len(gone)} "
-            f"of {len(ours)}: {names}): the converted graph reads the old tensors, which the model and its "
-            "optimizer no longer see. Way out: update parameters in place (load_state_dict, optimizer steps, "
-            "param.data.copy_), or graphamp.convert the model again."
+            f"{type(model).__name__}'s parameters or buffers were replaced after graphamp converted it ({len(replaced)} "
+            f"of {len(state.tensors)}: {names}): the converted graph reads the old tensors, which the model and its "
+            "optimizer no longer see. Way out: update them in place (load_state_dict without assign=True, optimizer "
+            "steps, param.data.copy_), or graphamp.convert the model again."
         )
 
     def _call_graph(self, args: tuple, kwargs: dict) -> Any:
@@ -366,7 +383,7 @@ class AmpModule(GraphModule):
                     return variant._call_graph(args, kwargs)
                 except _CONVERTIBLE:
                     tried += 1
-            with _RECONVERTING:
+            with _reconversion_lock(self):
                 if len(variants) == tried:  # else another thread converted one meanwhile: try it first
                     variant = self._converted_for(refused, args, kwargs)
                     break
@@ -513,7 +530,7 @@ class AmpModule(GraphModule):
         body.pop(_TRACEABLE, None)  # recompiled on load
         body.pop(_VARIANTS, None)  # converted again on first use after loading
         body.pop(_MODES, None)
-        body.pop(_MODEL_STATE, None)  # weak reference; set again from the loaded model
+        body.pop(_MODEL_STATE, None)  # taken again from the loaded model
         # The model travels so that the loaded module converts again for other shape classes; its
         # parameters are pickled once, as the objects this module shares with it.
         if body.get(_MODEL) is not None and not _picklable(body[_MODEL]):
@@ -663,7 +680,7 @@ def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tup
             owner.register_buffer(name, buf, persistent=False)
     amp.__dict__["_graphamp"] = AmpInfo(
         spec.device_type, spec.dtype, spec.mode, model.training, spec.config, spec.inference, spec.keep_io_types,
-        capture=spec.capture,
+        grad_free=spec.grad_free, capture=spec.capture,
     )
     if spec.target == "module":
         bind_model(amp, model)
@@ -691,14 +708,9 @@ def bind_model(amp: AmpModule, model: nn.Module) -> None:
     """Keep ``model`` with its converted module: to convert it again (other shapes, modes), to show
     its forward's signature, and to notice when its parameters are no longer the graph's."""
     amp.__dict__[_MODEL] = model
-    amp.__dict__[_MODEL_STATE] = _model_state(model)
+    amp.__dict__[_MODEL_STATE] = ModelState(model)
     if _GRAPH in type(amp).__dict__:  # a loaded module: its class's forward gets the signature now
         type(amp).forward = _signed_forward(model)
-
-
-def _model_state(model: nn.Module) -> tuple[type, Any]:
-    first = next(iter(model.parameters()), None)
-    return type(model), (weakref.ref(first) if first is not None else lambda: None)
 
 
 def _signed_forward(model: nn.Module | None) -> Any:

@@ -26,6 +26,7 @@ from graphamp.config import Config
 from graphamp.convert import _rewrite, check_inputs
 from graphamp.errors import ExportError
 from graphamp.runtime import set_grad_enabled
+from graphamp.shared_state import capture_lock
 from graphamp.spec import AmpSpec, autocast_off
 
 __all__ = ["export", "check_portable"]
@@ -93,7 +94,7 @@ def export(
     gm.meta.pop("graphamp_frozen", None)
     if keep_io_types:
         args, kwargs = pytree.tree_map_only(torch.Tensor, _as_fp32, (args, kwargs))
-    with autocast_off(), fx_config.patch(backed_size_oblivious=True), warnings.catch_warnings():
+    with capture_lock(), autocast_off(), fx_config.patch(backed_size_oblivious=True), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*were assigned during export.*")
         try:
             ep = torch.export.export(

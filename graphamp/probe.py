@@ -58,6 +58,15 @@ def _state_restored(model: nn.Module) -> Iterator[None]:
     # refuses a backward through a tensor saved before it (a compile-time probe between a graph's
     # forward and its backward: Gemma's embed_scale, saved by the embedding graph's multiply).
     saved = {name: (buf._version, buf.clone()) for name, buf in model.named_buffers()}
+    # Code that assigns a buffer (or parameter) in forward leaves another object in the model,
+    # which a converted module would take for a replaced tensor: the objects go back too.
+    # (Not in a model holding FSDP units, whose forward swaps sharded and gathered parameters by
+    # design and may leave them gathered, nor in TorchScript modules, whose tables are the script's.)
+    modules = list(model.modules())
+    sharded = any(type(m).__name__.startswith("FSDP") for m in modules)
+    tables = [] if sharded else [
+        (table, dict(table)) for m in modules for table in (m._parameters, m._buffers) if isinstance(table, dict)
+    ]
     containers = [
         (value, copy.copy(value))
         for m in model.modules()
@@ -68,6 +77,10 @@ def _state_restored(model: nn.Module) -> Iterator[None]:
         try:
             yield
         finally:
+            for table, before in tables:
+                for key, value in before.items():
+                    if table.get(key, value) is not value:
+                        table[key] = value
             with torch.no_grad():
                 for name, buf in model.named_buffers():
                     # (A kernel's own write, batch norm's running statistics, leaves the version.)

@@ -44,6 +44,10 @@ def test_fp32_grouped_mm_on_cpu_is_captured_as_eager_runs_it_and_exact():
 
 
 def test_the_widened_fake_kernel_takes_the_cpu_dtypes_only_while_graphamp_traces():
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dispatcher, checks = torch._C._dispatch_dump("aten::_grouped_mm"), list(fake_impls.op_implementations_checks)
     with pytest.raises(RuntimeError, match="BF16"):
         _fake_grouped_mm(torch.float32)
     with eager_kernel_metas():
@@ -54,7 +58,11 @@ def test_the_widened_fake_kernel_takes_the_cpu_dtypes_only_while_graphamp_traces
             _fake_grouped_mm(torch.float64)  # the CPU kernel refuses fp64 too
     with pytest.raises(RuntimeError, match="BF16"):  # torch's own kernel again
         _fake_grouped_mm(torch.float32)
-    assert "graphamp" not in torch._C._dispatch_dump("aten::_grouped_mm")
+    # Nothing is left behind: no kernel registered with the dispatcher, the fake-kernel table as it
+    # was, and no fake result of the widened kernel in FakeTensorMode's cache.
+    assert torch._C._dispatch_dump("aten::_grouped_mm") == dispatcher
+    assert fake_impls.op_implementations_checks == checks
+    assert not [k for k in FakeTensorMode.cache if getattr(k, "key", None) and k.key[0] is torch.ops.aten._grouped_mm.default]
 
 
 @pytest.mark.parametrize("inference", [False, True], ids=["training", "inference"])

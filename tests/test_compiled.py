@@ -258,15 +258,20 @@ def test_a_compiled_program_with_other_dtypes_is_never_returned():
         assert torch.equal(got, want)
 
 
-def test_autotune_raised_outputs_are_compiled_not_refused():
+def test_autotune_raised_outputs_are_compiled_not_refused(monkeypatch):
     # mode="autotune" that raises the last linear returns fp32 where eager autocast returns bf16: the
     # converted program's dtypes, not inductor running another program, so it runs compiled and the
-    # drift says why its dtypes differ from eager autocast's.
+    # drift says why its dtypes differ from eager autocast's. The compiled choice is timed with fake
+    # times too (the plan's program fastest): on a CPU that emulates bf16 real times may keep
+    # autocast's dtypes, whose outputs are bf16.
+    from graphamp import autotune_compiled
     from graphamp.passes.autotune import MeasurementCache, measuring
 
     model = _block().eval()
     x = torch.randn(4, 16)
     fp32_faster = lambda fn, trial: 2.0 if trial.dtype is BF16 else 1.0  # noqa: E731
+    plan_fastest = lambda runs, **kw: {name: [1.0] if name == "plan" else [2.0] for name in runs}  # noqa: E731
+    monkeypatch.setattr(autotune_compiled, "time_programs", plan_fastest)
     with measuring(timer=fp32_faster, cache=MeasurementCache(), check_accuracy=False), warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)
         cm = graphamp.convert(model, (x,), mode="autotune", inference=True, compile=True)

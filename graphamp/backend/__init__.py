@@ -41,6 +41,7 @@ from graphamp.config import Config
 from graphamp.errors import EagerPathWarning, OptionError, PolicyDriftError
 from graphamp.passes import build_pipeline, check_dtypes, run_passes
 from graphamp.policy import DEVICE_TYPES
+from graphamp.shared_state import capture_lock
 from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type, resolve_dtype
 from graphamp.backend.options import BackendOptions
 from graphamp.backend.eager_dtypes import _ends_at_graph_break, follow_eager_dtypes
@@ -79,6 +80,12 @@ def graphamp_backend(
     >>> assert torch.equal(compiled(x), expected)
     """
     opts = BackendOptions.parse(options)
+    # Dynamo holds the capture lock while it calls a backend; taken again for direct calls.
+    with capture_lock():
+        return _compile(gm, example_inputs, opts, mode)
+
+
+def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, mode: str | None) -> Callable[..., Any]:
     if mode is not None and opts.inner != "inductor":
         raise OptionError(
             f"torch.compile(mode={mode!r}) configures inductor, but graphamp's inner compiler is "

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphamp.shared_state import capture_lock
 from graphamp.capture.export import _describe, _dynamic_shapes, _export, _is_retryable, _model_conditions, _model_ranges, _unregistered_output
 from graphamp.capture.functions import _bind_kept_functions
 from graphamp.capture.torchscript import script_graph
@@ -69,7 +70,7 @@ def capture(
         # export records the model's own no_grad regions only when grad is on, and without them a
         # tensor the model computes without grad (a position bias) requires grad at run time, which
         # can change eager's kernel (CPU SDPA takes its math path for a mask that requires grad).
-        with torch.enable_grad() if grads else contextlib.nullcontext():
+        with capture_lock(), torch.enable_grad() if grads else contextlib.nullcontext():
             try:
                 ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
             except Exception as e:

@@ -7,7 +7,6 @@ import copy
 import logging
 import os
 import re
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +20,7 @@ from torch.utils import _pytree as pytree
 from graphamp.capture.functions import _FunctionKeeper
 from graphamp.capture.kernels import eager_kernel_metas
 from graphamp.runtime import size_condition_holds
+from graphamp.shared_state import capture_lock, printed_output_held
 from graphamp.spec import ambient_autocast
 
 
@@ -190,10 +190,12 @@ def _export(
     # backed_size_oblivious lets a dim traced at size >= 2 also accept size 1 at run time
     # (batch 1 inference) instead of pinning the range to [2, inf).
     with (
+        capture_lock(),  # export's patches below are process-wide: no other thread traces meanwhile
         fx_config.patch(backed_size_oblivious=True),
         ambient_autocast(device_type, dtype),
         warnings.catch_warnings(),
-        _quiet_on_failure(),
+        # torch.export prints the partial graph before raising; graphamp's CaptureError says what failed.
+        printed_output_held(_partial_graphs),
         _eager_flags(model) if eager_flags else contextlib.nullcontext(),
         _dim_marks_restored((args, kwargs)),
         _containers_kept(model),
@@ -316,52 +318,6 @@ def _eager_flags(model: nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-@contextlib.contextmanager
-def _quiet_on_failure() -> Iterator[None]:
-    """Hold what is printed while exporting; on failure drop torch.export's dump of the partial
-    graph (printed once per export layer, before the exception reaches graphamp), keep the rest.
-
-    graphamp's CaptureError says what failed and the way out; the dump would bury it.
-    """
-    held: list[tuple[Any, str]] = []
-    out, err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _Held(out, held), _Held(err, held)
-    failure: BaseException | None = None
-    try:
-        yield
-    except BaseException as e:
-        failure = e
-        raise
-    finally:
-        sys.stdout, sys.stderr = out, err
-        dumps = _partial_graphs(failure)
-        after_dump = False
-        for stream, text in held:
-            if text in dumps or (after_dump and text == "\n"):
-                after_dump = text in dumps
-                continue
-            after_dump = False
-            stream.write(text)
-
-
-class _Held:
-    """A stand-in for sys.stdout/sys.stderr that keeps writes, in order, for later."""
-
-    def __init__(self, stream: Any, held: list[tuple[Any, str]]) -> None:
-        self._stream = stream
-        self._held = held
-
-    def write(self, text: str) -> int:
-        self._held.append((self._stream, text))
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
 
 
 def _partial_graphs(e: BaseException | None) -> set[str]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from graphamp.errors import ScriptCaptureError
+from graphamp.shared_state import capture_lock
 from graphamp.spec import ambient_autocast
 
 
@@ -70,12 +73,14 @@ def script_graph(model: nn.Module, args: tuple, kwargs: dict, *, device_type: st
         names.setdefault(id(t), (name, False))
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     rng = torch.get_rng_state()
-    jit_autocast = torch._C._jit_set_autocast_mode(False)
     try:
         # Unoptimized execution: the optimizing executor runs autodiff subgraphs whose inner ops
         # see detached inputs (their gradient is a C++ node the tracer never records), and its
         # passes insert TorchScript's own autocast ops.
-        with ambient_autocast(device_type, dtype), warnings.catch_warnings(), torch.jit.optimized_execution(False):
+        with (
+            _jit_autocast_off(), ambient_autocast(device_type, dtype), warnings.catch_warnings(),
+            torch.jit.optimized_execution(False),
+        ):
             warnings.simplefilter("ignore")
             traced = make_fx(run, pre_dispatch=True, tracing_mode="real")(*flat)
     except Exception as e:
@@ -95,7 +100,6 @@ def script_graph(model: nn.Module, args: tuple, kwargs: dict, *, device_type: st
             "on these inputs; or convert the Python nn.Module it was scripted from."
         ) from e
     finally:
-        torch._C._jit_set_autocast_mode(jit_autocast)
         torch.set_rng_state(rng)
         with torch.no_grad():
             for name, b in model.named_buffers():
@@ -154,3 +158,13 @@ def script_graph(model: nn.Module, args: tuple, kwargs: dict, *, device_type: st
     return gm
 
 
+@contextlib.contextmanager
+def _jit_autocast_off() -> Iterator[None]:
+    """TorchScript's own autocast pass off, a process-wide flag: under the capture lock, so no
+    other capture sees it, and restored before the lock is released."""
+    with capture_lock():
+        previous = torch._C._jit_set_autocast_mode(False)
+        try:
+            yield
+        finally:
+            torch._C._jit_set_autocast_mode(previous)

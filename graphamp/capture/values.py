@@ -36,6 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from graphamp.shared_state import capture_lock
 from graphamp.capture.functions import _FunctionKeeper
 from graphamp.errors import CaptureError
 from graphamp.node_info import info
@@ -141,7 +142,7 @@ def capture_by_values(
     rng = torch.get_rng_state()
     try:
         with (
-            _state_restored(model), ambient_autocast(device_type, dtype), keeper,
+            capture_lock(), _state_restored(model), ambient_autocast(device_type, dtype), keeper,
             torch.enable_grad() if grads else contextlib.nullcontext(), one_fake_mode_while_tracing((state, flat)),
         ):
             traced = make_fx(

@@ -28,6 +28,7 @@ from graphamp.convert import _convert as convert_core
 from graphamp.emit import AmpModule
 from graphamp.errors import PolicyDriftError
 from graphamp.runtime import WeightCache
+from graphamp.shared_state import capture_lock
 from graphamp.spec import AmpSpec
 from graphamp.verify.report import _detached
 from graphamp.verify.signatures import aten
@@ -54,7 +55,7 @@ def trace(fn: Any, args: tuple, kwargs: dict, *, no_grad: bool = True) -> torch.
 
     from graphamp.capture.values import one_fake_mode_while_tracing
 
-    with torch.set_grad_enabled(not no_grad), one_fake_mode_while_tracing(flat):
+    with capture_lock(), torch.set_grad_enabled(not no_grad), one_fake_mode_while_tracing(flat):
         # Real tensors: data-dependent Python branches (mask checks in HF models) read real values.
         return make_fx(flat_fn, _error_on_data_dependent_ops=False)(*[flat[i] for i in tensors])
 

@@ -1,0 +1,101 @@
+"""What a converted module's model held at conversion, and the per-call check that it still does.
+
+A converted graph reads the parameters and buffers the model held when it was converted (or, for
+weights frozen to low precision, was cast from them). A tensor replaced in the model afterwards
+(``model.fc.weight = nn.Parameter(...)``, ``load_state_dict(..., assign=True)``, a submodule
+swapped, FSDP's ``fully_shard`` applied to inner modules) is one the graph never reads: it would
+compute with, and train, tensors the user no longer holds. :class:`ModelState` notices each of
+these at the next call.
+
+Per call it compares the model's module classes (a list compare) and a process-wide count of
+parameter, buffer and submodule registrations, kept by torch's global registration hooks while a
+converted module lives; only when either moved are the tensors compared by name, once.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+__all__ = ["ModelState"]
+
+# Registrations of a parameter, buffer or submodule on any module of the process, counted while
+# at least one ModelState lives (an int in a list: the hooks add to it without a lock; two threads
+# racing may count one registration instead of two, which still moves it).
+_registrations = [0]
+_watchers = 0
+_handles: list[torch.utils.hooks.RemovableHandle] = []
+_watch_lock = threading.Lock()
+
+
+def _count(module: nn.Module, name: str, value: object) -> None:
+    _registrations[0] += 1
+
+
+def _watch() -> None:
+    global _watchers
+    with _watch_lock:
+        if _watchers == 0:
+            _handles[:] = [
+                register_module_parameter_registration_hook(_count),
+                register_module_buffer_registration_hook(_count),
+                register_module_module_registration_hook(_count),
+            ]
+        _watchers += 1
+
+
+def _unwatch() -> None:
+    global _watchers
+    with _watch_lock:
+        _watchers -= 1
+        if _watchers == 0:
+            for handle in _handles:
+                handle.remove()
+            _handles.clear()
+
+
+class ModelState:
+    """The model's modules and their classes, and each parameter and buffer by name, as they are
+    now; :meth:`unchanged` says cheaply whether that may still hold, :meth:`replaced` names what
+    does not.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    >>> state = ModelState(model)
+    >>> assert state.unchanged() and state.replaced(model) == []
+    >>> model[1].weight = nn.Parameter(torch.zeros(2, 2))
+    >>> assert not state.unchanged() and state.replaced(model) == ["1.weight"]
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        _watch()
+        weakref.finalize(self, _unwatch)
+        self.tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        self.tensors.update(model.named_buffers(remove_duplicate=False))
+        self.accept(model)
+
+    def accept(self, model: nn.Module) -> None:
+        """Take the model's modules and classes as they are now (its tensors were found unchanged)."""
+        self.generation = _registrations[0]
+        self.modules = list(model.modules())
+        self.classes = list(map(type, self.modules))
+
+    def unchanged(self) -> bool:
+        """True if no module anywhere registered a parameter, buffer or submodule since the last
+        look and no module of the model changed class: then no tensor of the model was replaced
+        (but through its modules' private dictionaries)."""
+        return self.generation == _registrations[0] and list(map(type, self.modules)) == self.classes
+
+    def replaced(self, model: nn.Module) -> list[str]:
+        """The names of the parameters and buffers the model held at conversion that it no longer
+        holds (another object under the name, or none)."""
+        now: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        now.update(model.named_buffers(remove_duplicate=False))
+        return [name for name, tensor in self.tensors.items() if now.get(name) is not tensor]

@@ -1,0 +1,117 @@
+"""A parameter or buffer replaced anywhere in the model after conversion is caught at the next call."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import graphamp
+from graphamp.model_state import ModelState
+
+BF16 = torch.bfloat16
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.BatchNorm1d(4))
+
+
+def _eager(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=BF16):
+        return model(x)
+
+
+def _replace_second_weight(model: nn.Module) -> None:
+    model[2].weight = nn.Parameter(torch.randn(4, 8))
+
+
+def _assign_state_dict(model: nn.Module) -> None:
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+
+
+def _replace_buffer(model: nn.Module) -> None:
+    model[3].running_mean = torch.ones(4)
+
+
+def _swap_submodule(model: nn.Module) -> None:
+    model[2] = nn.Linear(8, 4)
+
+
+def _swap_class(model: nn.Module) -> None:
+    # As fully_shard does to each unit: a subclass, with the unit's parameters swapped through the
+    # module's own dictionary (no registration hook runs).
+    unit = model[2]
+    unit.__class__ = type("FSDPLinear", (nn.Linear,), {})
+    unit._parameters["weight"] = nn.Parameter(unit.weight.detach().clone())
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["training graph", "inference"])
+@pytest.mark.parametrize(
+    "change, names",
+    [
+        (_replace_second_weight, "2.weight"),
+        (_assign_state_dict, "0.weight"),
+        (_replace_buffer, "3.running_mean"),
+        (_swap_submodule, "2.weight"),
+        (_swap_class, "2.weight"),
+    ],
+    ids=["non-first parameter", "load_state_dict(assign=True)", "buffer", "submodule", "class and dictionary"],
+)
+def test_a_replaced_tensor_is_named_at_the_next_call(change, names, inference):
+    model = _model().eval()
+    x = torch.randn(3, 4)
+    amp = graphamp.convert(model, (x,), inference=inference)
+    assert torch.equal(amp(x), _eager(model, x))  # the warm path first
+    change(model)
+    with pytest.raises(graphamp.ModelChangedError, match=names.replace(".", r"\.")):
+        amp(x)
+    with pytest.raises(graphamp.ModelChangedError):  # and at every call after
+        amp(x)
+
+
+def test_in_place_updates_are_not_replacements():
+    model = _model().train()
+    x = torch.randn(3, 4)
+    amp = graphamp.convert(model, (x,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp(x).float().sum().backward()
+    opt.step()
+    model.load_state_dict(copy.deepcopy(model.state_dict()))  # copies into the same tensors
+    with torch.no_grad():
+        model[0].weight.data.copy_(torch.randn(8, 4))
+    model[0].add_module("extra", nn.Linear(2, 2))  # a new submodule the graph never reads
+    amp.eval(), model.eval()
+    assert torch.equal(amp(x), _eager(model, x))
+
+
+def test_a_graphamp_run_of_code_that_assigns_a_buffer_leaves_the_model_as_it_was():
+    # The self-check runs the model eagerly; code that assigns a buffer in forward would leave
+    # another object in the model, which the next call took for a replaced tensor.
+    class Assigns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("seen", torch.zeros(4), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen = self.seen + 0  # a new object each call, same values
+            return self.lin(x) + self.seen
+
+    model, x = Assigns(), torch.randn(2, 4)
+    buffer = model.seen
+    amp = graphamp.convert(model, (x,))
+    assert model.seen is buffer
+    assert torch.equal(amp(x), _eager(model, x))
+
+
+def test_model_state_is_cheap_when_nothing_changed():
+    model = _model()
+    state = ModelState(model)
+    assert state.unchanged() and state.replaced(model) == []
+    nn.Linear(2, 2)  # any registration anywhere in the process moves the count: then compared once
+    assert not state.unchanged() and state.replaced(model) == []
+    state.accept(model)
+    assert state.unchanged()
