@@ -3,11 +3,19 @@
 Every variant runs the same model (its own copy) on the same inputs. Timings come from
 ``torch.utils.benchmark.Timer`` in interleaved rounds (variant A, B, C, A, B, C, ...), so drifts of
 the machine hit all variants alike; a row reports the median over rounds, the p10-p90 spread, and
-ratios of medians to eager autocast, to pure low precision, to fp32 and to the fastest alternative
-measured (``vs best``: the fastest of fp32, eager autocast, ``compile_autocast`` and
-``compile_autocast_freezing`` among the variants run, i.e. what a user could get without graphamp at
-autocast's accuracy; pure low precision is left out, since it changes the numerics; the table names
-it per model).
+ratios of medians to eager autocast, to the fastest pure low precision variant, to fp32 and to the
+fastest alternative measured (``vs best``: the fastest of ``ALTERNATIVES`` among the variants run:
+fp32, eager autocast, torch.compile + autocast and torch.compile in fp32, each compiled one with and
+without freezing, i.e. what a user gets without graphamp at autocast's accuracy or better). Pure low
+precision (``pure_low``, ``compile_pure_low``: the model and inputs in bf16/fp16) changes the
+numerics, so it is compared in its own column. Where graphamp's compiled variants try inductor's C++
+wrapper (``graphamp_autotune_compiled`` for inference), each compiled alternative is built with and
+without it too and keeps the faster, by the same rule.
+
+By default a run answers "what should I use on this machine?" with a few variants
+(:func:`default_variants`: fp32, eager autocast, the compiled alternative expected fastest on this
+CPU, graphamp exact and graphamp's path for this CPU) and ends with one line per model naming the
+fastest at autocast's accuracy or better (:func:`recommendation`); ``--all`` runs every variant.
 
 ``--model`` takes built-in names or ``pkg.module:factory`` for your own model (the factory returns a
 ``graphamp.testing.zoo.Case`` or ``(model, args[, kwargs])``, as ``graphamp verify`` takes it).
@@ -53,12 +61,13 @@ from torch.utils import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphamp
+from graphamp import hardware
 from graphamp.compiled import inductor_freezing
 from graphamp.testing import zoo
 from graphamp.verify.reference import count_casts, lowered_graph
 from graphamp.spec import DTYPE_ALIASES
 
-__all__ = ["ALTERNATIVES", "BENCH_MODELS", "VARIANTS", "Row", "build_case", "run", "DEFAULT_MODELS"]
+__all__ = ["ALTERNATIVES", "BENCH_MODELS", "DEFAULT_MODELS", "PURE_LOW", "VARIANTS", "Row", "build_case", "default_variants", "recommendation", "run"]
 
 DTYPES = ("bf16", "fp16")  # the short names of graphamp.spec.DTYPE_ALIASES
 
@@ -83,6 +92,9 @@ VARIANTS = (
     "graphamp_autotune",
     "compile_autocast",
     "compile_autocast_freezing",
+    "compile_fp32",
+    "compile_fp32_freezing",
+    "compile_pure_low",
     "graphamp_backend",
     "graphamp_compiled",
     "graphamp_autotune_compiled",
@@ -94,14 +106,69 @@ VARIANTS = (
 # "infer": eval under no_grad; "forward": eval with grad enabled, no backward (eager's program may
 # differ by grad mode: a fused encoder kernel); "train": train mode, forward, backward, AdamW step.
 TASKS = ("infer", "forward", "train")
-INFER_ONLY = {"graphamp_inference", "compile_autocast_freezing"}
+INFER_ONLY = {"graphamp_inference", "compile_autocast_freezing", "compile_fp32_freezing", "compile_pure_low"}
 TRAIN_ONLY = {"trainstep", "trainstep_compiled", "trainstep_autotune", "trainstep_autotune_compiled"}
 COMPILED = {
-    "compile_autocast", "compile_autocast_freezing", "graphamp_backend", "graphamp_compiled", "graphamp_autotune_compiled",
-    "trainstep_compiled", "trainstep_autotune_compiled",
+    "compile_autocast", "compile_autocast_freezing", "compile_fp32", "compile_fp32_freezing", "compile_pure_low",
+    "graphamp_backend", "graphamp_compiled", "graphamp_autotune_compiled", "trainstep_compiled", "trainstep_autotune_compiled",
 }
-# What a user gets without graphamp at autocast's accuracy: ``vs best`` divides by the fastest of these.
-ALTERNATIVES = ("fp32", "autocast", "compile_autocast", "compile_autocast_freezing")
+# What a user gets without graphamp at autocast's accuracy or better: ``vs best`` divides by the
+# fastest of these that ran.
+ALTERNATIVES = ("fp32", "autocast", "compile_autocast", "compile_autocast_freezing", "compile_fp32", "compile_fp32_freezing")
+# Pure low precision (weights and activations in bf16/fp16), eager and compiled: faster where the CPU
+# computes it natively, and less accurate than autocast; ``vs pure low`` divides by the fastest.
+PURE_LOW = ("pure_low", "compile_pure_low")
+# Compiled alternatives whose inductor options include what graphamp's compiled variants try: for
+# inference, graphamp_autotune_compiled also builds its program with inductor's C++ wrapper and keeps
+# it where it times faster, so each of these does the same when that variant runs.
+CPP_WRAPPER_TRIED = ("graphamp_autotune_compiled",)
+
+
+def default_variants(task: str, dtype: str) -> tuple[str, ...]:
+    """The few variants that answer "what should I use on this machine?": fp32, eager autocast, the
+    compiled alternative expected fastest on this CPU (torch.compile + autocast where it computes
+    ``dtype`` natively, torch.compile in fp32 where it emulates it; with freezing for inference),
+    graphamp exact, and graphamp's path for this CPU (compiled where ``dtype`` is native; autotune,
+    which raises to fp32 each op measured slower in ``dtype``, where it is emulated).
+
+    >>> from graphamp.hardware import assume_cpu_flags
+    >>> with assume_cpu_flags(["avx512_bf16"]):
+    ...     assert default_variants("infer", "bf16")[2:] == ("compile_autocast_freezing", "graphamp", "graphamp_compiled")
+    >>> with assume_cpu_flags([]):
+    ...     assert default_variants("train", "bf16")[2:] == ("compile_fp32", "graphamp", "graphamp_autotune")
+    """
+    native = hardware.capability("cpu").native(DTYPE_ALIASES[dtype])
+    alternative = ("compile_autocast" if native else "compile_fp32") + ("_freezing" if task == "infer" else "")
+    return ("fp32", "autocast", alternative, "graphamp", "graphamp_compiled" if native else "graphamp_autotune")
+
+
+def recommendation(rows: list[Row]) -> str:
+    """One line per model: the variant to use on this machine, at autocast's accuracy or better,
+    and why (pure low precision is left out: it changes the numerics)."""
+    lines = []
+    for model in dict.fromkeys(r.model for r in rows):
+        ok = [r for r in rows if r.model == model and r.status == "ok" and r.median_ms and r.variant not in PURE_LOW]
+        if not ok:
+            continue
+        best = min(ok, key=lambda r: r.median_ms)
+        theirs = [r for r in ok if r.variant in ALTERNATIVES]
+        ours = [r for r in ok if r.variant not in ALTERNATIVES]
+        fastest_alt = min(theirs, key=lambda r: r.median_ms) if theirs else None
+        fastest_ours = min(ours, key=lambda r: r.median_ms) if ours else None
+        head = f"{model} ({best.task}, {best.dtype}): use {best.variant} ({best.median_ms:.3g} ms)"
+        if best.variant in ALTERNATIVES and fastest_ours is not None:
+            lines.append(
+                f"{head}, the fastest here at autocast's accuracy or better; graphamp's fastest, {fastest_ours.variant}, "
+                f"takes {fastest_ours.median_ms / best.median_ms:.2f}x its time."
+            )
+        elif fastest_alt is not None:
+            lines.append(
+                f"{head}: {fastest_alt.median_ms / best.median_ms:.2f}x faster than the fastest alternative, "
+                f"{fastest_alt.variant} ({fastest_alt.median_ms:.3g} ms), at autocast's accuracy or better."
+            )
+        else:
+            lines.append(f"{head}, the fastest of the variants run.")
+    return "\n".join(lines)
 
 
 def _sized(case: zoo.Case, batch: int, seq: int) -> zoo.Case:
@@ -157,7 +224,26 @@ class _Variant:
         self.note = ""
 
 
-def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Variant:
+def _faster_with_cpp_wrapper(
+    call: Callable[[], Any], compiled_call: Callable[[dict[str, Any]], Callable[[], Any]],
+    as_step: Callable[[Callable[[], Any], Any], Callable[[], Any]],
+) -> tuple[Callable[[], Any], str]:
+    """``call``, or the same program built with inductor's C++ wrapper where that times faster, by the
+    rule graphamp's autotune applies to its own (:mod:`graphamp.autotune_compiled`)."""
+    from graphamp import autotune_compiled
+
+    cpp = compiled_call({"cpp_wrapper": True})
+    steps = {"plan": as_step(call, ()), "C++ wrapper": as_step(cpp, ())}
+    for step in steps.values():
+        step()  # compiles
+    samples = autotune_compiled.time_programs(steps)
+    ratio = autotune_compiled.ratios_to_plan(samples)["C++ wrapper"]
+    if autotune_compiled.pick(samples) == "C++ wrapper":
+        return cpp, f"inductor's C++ wrapper kept ({ratio:.2f}x without it)"
+    return call, f"inductor's C++ wrapper tried, not kept ({ratio:.2f}x)"
+
+
+def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype, *, cpp_wrapper: bool = False) -> _Variant:
     model = copy.deepcopy(case.model).train(task == "train")
     args, kwargs = case.inputs
     device = "cpu"
@@ -215,16 +301,31 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype) -> _Varia
         variant = _Variant(as_step(call, model.parameters()), call, call)
         variant.note = AutotunePlan.of(amp).summary()
         return variant
-    if name in ("compile_autocast", "compile_autocast_freezing"):
-        # Inductor options are part of the backend, so the two variants never share a compiled graph.
-        freezing = name.endswith("freezing")
-        compiled = torch.compile(model, options={"freezing": freezing})
+    if name.startswith("compile_"):
+        # torch.compile as a user would write it: autocast around the compiled model, the model in
+        # fp32, or the model and its inputs in low precision. Inductor options are part of the
+        # backend, so no two variants share a compiled graph.
+        freezing = name.endswith("freezing") or name == "compile_pure_low"
+        target, inputs = model, (args, kwargs)
+        if name == "compile_pure_low":
+            target, inputs = model.to(dtype), _cast_inputs((args, kwargs), dtype)
+        region = autocast_ctx if name.startswith("compile_autocast") else contextlib.nullcontext
 
-        def call() -> Any:
-            # Dynamo reads inductor's global freezing flag while tracing: options alone fold nothing.
-            with autocast_ctx(), inductor_freezing() if freezing else contextlib.nullcontext():
-                return compiled(*args, **kwargs)
-        return _Variant(as_step(call, model.parameters()), call, None)
+        def compiled_call(options: dict[str, Any]) -> Callable[[], Any]:
+            compiled = torch.compile(target, options={"freezing": freezing, **options})
+
+            def call() -> Any:
+                # Dynamo reads inductor's freezing flag while tracing: options alone fold nothing.
+                with region(), inductor_freezing() if freezing else contextlib.nullcontext():
+                    return compiled(*inputs[0], **inputs[1])
+            return call
+
+        call, note = compiled_call({}), ""
+        if cpp_wrapper:
+            call, note = _faster_with_cpp_wrapper(call, compiled_call, as_step)
+        variant = _Variant(as_step(call, target.parameters()), call, None)
+        variant.note = note
+        return variant
     if name == "graphamp_backend":
         compiled = torch.compile(model, backend="graphamp", options={"dtype": dtype})
         call = lambda: compiled(*args, **kwargs)  # noqa: E731
@@ -332,10 +433,13 @@ def run(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     low = DTYPE_ALIASES[dtype]
-    chosen = [v for v in (variants or VARIANTS) if not (task != "train" and v in TRAIN_ONLY) and not (task != "infer" and v in INFER_ONLY)]
+    wanted = default_variants(task, dtype) if variants is None else variants
+    chosen = [v for v in wanted if not (task != "train" and v in TRAIN_ONLY) and not (task != "infer" and v in INFER_ONLY)]
     for v in chosen:
         if v not in VARIANTS:
             raise ValueError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    cpp_wrapper = task == "infer" and any(v in CPP_WRAPPER_TRIED for v in chosen)
+    eta = _Estimate([(m, v, _setup_kind(v, cpp_wrapper)) for m in models for v in chosen], rounds)
     rows: list[Row] = []
     for model_name in models:
         case = build_case(model_name)
@@ -343,10 +447,10 @@ def run(
         model_rows = {v: Row(model_name, task, dtype, v) for v in chosen}
         first_out: dict[str, Any] = {}
         for v in chosen:
-            _progress(f"[{model_name}] preparing {v} ...")
+            _progress(f"[{model_name}] preparing {v} ... {eta.line()}")
             start = time.perf_counter()
             try:
-                prepared[v] = _prepare(v, case, task, low)
+                prepared[v] = _prepare(v, case, task, low, cpp_wrapper=cpp_wrapper and v.startswith("compile_"))
                 model_rows[v].note = prepared[v].note
                 # first calls: compile/convert warm-up, and the error against eager autocast
                 if prepared[v].forward is not None:
@@ -357,16 +461,21 @@ def run(
             except Exception as e:  # a variant that cannot run is reported, not fatal
                 model_rows[v].status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
             model_rows[v].setup_s = time.perf_counter() - start
+            eta.prepared(model_name, v, model_rows[v].setup_s)
         live = [v for v in chosen if v in prepared and model_rows[v].status == "ok"]
+        for v in set(chosen) - set(live):
+            eta.failed(model_name, v)
         timers = {v: benchmark.Timer(stmt="step()", globals={"step": prepared[v].step}, num_threads=torch.get_num_threads()) for v in live}
         numbers = {}
         for v in live:
             per_call = max(timers[v].timeit(1).median, 1e-6)
             numbers[v] = max(1, int(target_s / per_call))
+            eta.per_round(model_name, v, per_call * numbers[v])
         for r in range(rounds):
             for v in live:
-                _progress(f"[{model_name}] round {r + 1}/{rounds} {v}")
+                _progress(f"[{model_name}] round {r + 1}/{rounds} {v} {eta.line()}")
                 m = timers[v].timeit(numbers[v])
+                eta.timed(model_name, v)
                 model_rows[v].samples.append(m.median * 1e3)
         for v in live:
             row = model_rows[v]
@@ -388,10 +497,10 @@ def run(
             if v not in COMPILED and v not in TRAIN_ONLY:
                 row.peak_mib = _peak_mib(prepared[v].step)
         base = model_rows.get("autocast")
-        pure = model_rows.get("pure_low")
         fp32 = model_rows.get("fp32")
         measured = [(model_rows[v].median_ms, v) for v in ALTERNATIVES if v in live and model_rows[v].median_ms]
         best, best_name = min(measured) if measured else (None, "")
+        pure = min((model_rows[v] for v in PURE_LOW if v in live and model_rows[v].median_ms), key=lambda r: r.median_ms, default=None)
         for v in live:
             row = model_rows[v]
             if base is not None and base.median_ms:
@@ -407,6 +516,61 @@ def run(
     _progress("")
     print(file=sys.stderr, end="")
     return rows
+
+
+# What preparing a variant costs before any is measured (s, this project's 2-core machines, cold
+# inductor cache): an eager variant, a conversion, one inductor compile. Replaced by this run's own
+# measurement of the same kind as soon as one has run.
+_PRIOR_SETUP_S = {"eager": 5.0, "convert": 20.0, "compile": 40.0}
+
+
+def _setup_kind(variant: str, cpp_wrapper: bool) -> tuple[str, float]:
+    """What preparing ``variant`` costs, as (kind, how many of that kind)."""
+    if variant in ("graphamp_autotune_compiled", "trainstep_autotune_compiled"):
+        return "compile", 3.0 + cpp_wrapper  # up to three candidates, then the C++-wrapper build
+    if variant.startswith("compile_"):
+        return "compile", 1.0 + cpp_wrapper
+    if variant in COMPILED:
+        return "compile", 1.0
+    if variant.startswith(("graphamp", "trainstep")):
+        return "convert", 1.0
+    return "eager", 1.0
+
+
+class _Estimate:
+    """Time left in a run, from what this run measured so far: the setup of each kind of variant
+    (priors until one of a kind ran) and, once a model's variants are warm, its timing rounds."""
+
+    def __init__(self, work: list[tuple[str, str, tuple[str, float]]], rounds: int) -> None:
+        self.start = time.perf_counter()
+        self.pending = {(m, v): kind for m, v, kind in work}
+        self.rounds = {(m, v): rounds for m, v, _ in work}
+        self.round_s: dict[tuple[str, str], float] = {}
+        self.measured: dict[str, list[float]] = {}
+
+    def prepared(self, model: str, variant: str, seconds: float) -> None:
+        kind, units = self.pending.pop((model, variant))
+        self.measured.setdefault(kind, []).append(seconds / units)
+
+    def per_round(self, model: str, variant: str, seconds: float) -> None:
+        self.round_s[(model, variant)] = seconds
+
+    def timed(self, model: str, variant: str) -> None:
+        self.rounds[(model, variant)] -= 1
+
+    def failed(self, model: str, variant: str) -> None:
+        self.rounds[(model, variant)] = 0
+
+    def left_s(self) -> float:
+        setup = sum(units * statistics.mean(self.measured.get(kind) or [_PRIOR_SETUP_S[kind]]) for kind, units in self.pending.values())
+        # Rounds of variants not yet warm: the mean round of those that are (1 s before any).
+        guess = statistics.mean(self.round_s.values()) if self.round_s else 1.0
+        timing = sum(n * self.round_s.get(key, guess) for key, n in self.rounds.items() if n > 0)
+        return setup + timing
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        return f"({elapsed:.0f} s elapsed, about {self.left_s():.0f} s left)"
 
 
 def build_case(name: str) -> zoo.Case:

@@ -22,7 +22,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", choices=list(TASKS), default="infer",
                    help="infer: eval under no_grad; forward: eval with grad enabled, no backward; train: a training step")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS, help="default: all that apply to the task")
+    p.add_argument(
+        "--variants", nargs="+", default=None, choices=VARIANTS,
+        help="default: fp32, eager autocast, the compiled alternative expected fastest on this CPU, graphamp exact "
+        "and graphamp's path for this CPU (graphamp.bench.default_variants)",
+    )
+    p.add_argument("--all", action="store_true", help="every variant that applies to the task: the full comparison")
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: %(default)s)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--csv", metavar="PATH")
@@ -40,7 +45,8 @@ def main(args: argparse.Namespace) -> int:
                 "or pkg.module:factory"
             )
     try:
-        rows = bench.run(args.model, task=args.task, dtype=args.dtype, variants=args.variants, rounds=args.rounds)
+        variants = bench.VARIANTS if args.all else args.variants
+        rows = bench.run(args.model, task=args.task, dtype=args.dtype, variants=variants, rounds=args.rounds)
     except (ValueError, TypeError, ImportError) as e:  # a model that cannot be built: say why, no traceback
         raise SystemExit(f"graphamp bench: {e}") from e
     from graphamp.hardware import capability
@@ -51,6 +57,8 @@ def main(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         print(f"capability: {capability('cuda').line()}")
     print(bench.table(rows))
+    print()
+    print(bench.recommendation(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "capability": capability("cpu").line(), "rows": bench.to_json(rows)}, f, indent=2)

@@ -1,0 +1,87 @@
+"""graphamp.bench's choices: the default variants per CPU class, the alternatives it compares with,
+the recommendation line and the time-left estimate (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graphamp import autotune_compiled, bench
+from graphamp.bench import Row
+from graphamp.cli import main
+from graphamp.hardware import assume_cpu_flags
+
+
+def test_the_default_variants_follow_the_cpu():
+    with assume_cpu_flags(["amx_bf16", "avx512_bf16"]):
+        assert bench.default_variants("infer", "bf16") == ("fp32", "autocast", "compile_autocast_freezing", "graphamp", "graphamp_compiled")
+        # fp16 is emulated without avx512_fp16/amx_fp16: compiled fp32 is the alternative to beat
+        assert bench.default_variants("train", "fp16") == ("fp32", "autocast", "compile_fp32", "graphamp", "graphamp_autotune")
+    with assume_cpu_flags([]):
+        assert bench.default_variants("infer", "bf16")[2] == "compile_fp32_freezing"
+
+
+def _row(variant: str, ms: float) -> Row:
+    return Row("bert", "infer", "bf16", variant, median_ms=ms)
+
+
+def test_the_recommendation_names_the_fastest_at_autocasts_accuracy():
+    rows = [_row("fp32", 80.0), _row("autocast", 500.0), _row("compile_fp32_freezing", 60.0), _row("graphamp", 450.0),
+            _row("graphamp_autotune", 75.0), _row("compile_pure_low", 20.0)]
+    line = bench.recommendation(rows)
+    # pure low precision is faster but changes the numerics: not recommended
+    assert line.startswith("bert (infer, bf16): use compile_fp32_freezing (60 ms)")
+    assert "graphamp's fastest, graphamp_autotune, takes 1.25x its time" in line
+    rows.append(_row("graphamp_compiled", 50.0))
+    line = bench.recommendation(rows)
+    assert line.startswith("bert (infer, bf16): use graphamp_compiled (50 ms): 1.20x faster than the fastest alternative, compile_fp32_freezing")
+
+
+def test_the_estimate_uses_this_runs_measurements():
+    eta = bench._Estimate([("m", "fp32", ("eager", 1.0)), ("m", "graphamp_compiled", ("compile", 1.0)),
+                           ("m", "compile_fp32", ("compile", 2.0))], rounds=3)
+    prior = 5.0 + 40.0 + 2 * 40.0 + 3 * 3 * 1.0
+    assert eta.left_s() == pytest.approx(prior)
+    eta.prepared("m", "graphamp_compiled", 10.0)  # compiles here take 10 s, not the prior's 40
+    eta.prepared("m", "fp32", 1.0)
+    assert eta.left_s() == pytest.approx(2 * 10.0 + 3 * 3 * 1.0)
+    eta.prepared("m", "compile_fp32", 20.0)
+    for v, s in (("fp32", 0.5), ("graphamp_compiled", 0.25), ("compile_fp32", 0.25)):
+        eta.per_round("m", v, s)
+    eta.timed("m", "fp32")
+    assert eta.left_s() == pytest.approx(2 * 0.5 + 3 * 0.25 + 3 * 0.25)
+    assert "s elapsed, about" in eta.line()
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_a_compiled_alternative_gets_the_cpp_wrapper_where_it_wins(monkeypatch, faster):
+    built = []
+
+    def compiled_call(options):
+        built.append(options)
+        return lambda: options
+
+    fake = {"plan": [2.0] * 3, "C++ wrapper": [1.0 if faster else 2.0] * 3}
+    monkeypatch.setattr(autotune_compiled, "time_programs", lambda steps: fake)
+    call, note = bench._faster_with_cpp_wrapper(compiled_call({}), compiled_call, lambda call, params: call)
+    assert built == [{}, {"cpp_wrapper": True}]
+    assert (call() == {"cpp_wrapper": True}) is faster
+    assert note.startswith("inductor's C++ wrapper kept" if faster else "inductor's C++ wrapper tried, not kept")
+
+
+def test_compiled_fp32_and_pure_low_are_alternatives(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    code = main(["bench", "--model", "mlp", "--variants", "fp32", "autocast", "pure_low", "compile_fp32", "compile_fp32_freezing",
+                 "compile_pure_low", "graphamp", "--rounds", "1", "--json", str(path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    best = min(("fp32", "autocast", "compile_fp32", "compile_fp32_freezing"), key=lambda v: rows[v]["median_ms"])
+    low = min(("pure_low", "compile_pure_low"), key=lambda v: rows[v]["median_ms"])
+    for r in rows.values():
+        assert r["best"] == best and r["vs_best"] == pytest.approx(r["median_ms"] / rows[best]["median_ms"])
+        assert r["vs_pure_low"] == pytest.approx(r["median_ms"] / rows[low]["median_ms"])
+    assert rows["compile_fp32_freezing"]["err_vs_fp32"] < rows["compile_pure_low"]["err_vs_fp32"]
+    assert "mlp (infer, bf16): use " in out
