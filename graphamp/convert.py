@@ -18,6 +18,7 @@ from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.capture.values import capture_by_values, guard_eager_reads
 from graphamp.capture.dynamo import dynamo_fallback, needs_graph_breaks
 from graphamp.config import Config
+from graphamp.eager import rng_kept
 from graphamp.emit import ALL_ONES_AS_NONE, AmpModule, emit, is_all_ones
 from graphamp.errors import CaptureError, EagerPathWarning, PolicyDriftError
 from graphamp.passes import build_pipeline, run_passes
@@ -372,8 +373,7 @@ def _summed_ms(plan: AutotunePlan) -> tuple[float, float]:
 
 
 def _seeded(run: Any) -> Any:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)  # the same dropout masks for each program
+    with rng_kept(seed=0):  # the same dropout masks for each program
         return run()
 
 

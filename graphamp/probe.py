@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from graphamp.eager import RngState, rng_kept
+
 __all__ = ["SdpaCall", "eager_sdpa_calls"]
 
 
@@ -50,7 +52,9 @@ class _RecordSdpa(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _state_restored(model: nn.Module) -> Iterator[None]:
+def _state_restored(model: nn.Module, seed: int | None = None) -> Iterator[RngState]:
+    # Every random generator is restored too (graphamp.eager.rng_kept), and seeded with ``seed``
+    # unless it is None; it yields the random state the run starts from.
     # A forward in training mode updates batch-norm statistics and draws dropout masks; some
     # models also fill Python caches (timm's LeViT: attention_bias_cache[device] in eval), which
     # a probe run at compile time must not leave behind: dynamo guarded on their contents.
@@ -73,9 +77,9 @@ def _state_restored(model: nn.Module) -> Iterator[None]:
         for key, value in vars(m).items()
         if not key.startswith("_") and type(value) in (dict, list, set)
     ]
-    with torch.random.fork_rng(devices=[]):
+    with rng_kept(seed) as start:
         try:
-            yield
+            yield start
         finally:
             for table, before in tables:
                 for key, value in before.items():

@@ -32,6 +32,7 @@ import importlib
 import math
 import operator
 import pickle
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -789,7 +790,8 @@ def restored_on_refusal(root: nn.Module, buffers: Sequence[str], rng: bool) -> I
     """Run a graph whose guards may refuse the call after it changed state: on
     :class:`~graphamp.errors.InputValueError`, the buffers it updated in place (batch-norm
     statistics) and the random generator's state are put back, so that the graph converted for
-    these inputs runs from the state eager would.
+    these inputs runs from the state eager would. The random state is every generator's (as
+    ``graphamp.eager.RngState``, which this module cannot import: see :func:`_random_state`).
 
     >>> bn = nn.BatchNorm1d(2)
     >>> try:
@@ -801,16 +803,39 @@ def restored_on_refusal(root: nn.Module, buffers: Sequence[str], rng: bool) -> I
     >>> assert torch.equal(bn.running_mean, torch.zeros(2))
     """
     saved = [(root.get_buffer(path), root.get_buffer(path).clone()) for path in buffers]
-    state = torch.get_rng_state() if rng else None
+    restore_random_state = _random_state() if rng else None
     try:
         yield
     except InputValueError:
         with torch.no_grad():
             for buf, before in saved:
                 buf.copy_(before)
-        if state is not None:
-            torch.set_rng_state(state)
+        if restore_random_state is not None:
+            restore_random_state()
         raise
+
+
+def _random_state() -> Callable[[], None]:
+    """What puts every random generator back as it is now: the CPU's, each device's of the
+    accelerator where it is initialized, XLA's where torch_xla is loaded. The same generators as
+    ``graphamp.eager.RngState`` (``tests/test_eager_rng.py`` checks both), read here because the
+    runtime imports no compile-time module (``graphamp.eager`` will run models)."""
+    cpu = torch.default_generator.get_state()
+    device = torch.accelerator.current_accelerator()
+    module = torch.get_device_module(device.type) if device is not None else None
+    ready = module is not None and (getattr(module, "is_initialized", None) or getattr(module, "is_available", bool))()
+    devices = [module.get_rng_state(i) for i in range(module.device_count())] if ready else []
+    xm = sys.modules.get("torch_xla.core.xla_model")
+    xla = xm.get_rng_state() if xm is not None else None
+
+    def restore() -> None:
+        torch.default_generator.set_state(cpu)
+        for i, state in enumerate(devices):
+            module.set_rng_state(state, i)
+        if xm is not None:
+            xm.set_rng_state(xla)
+
+    return restore
 
 
 torch.fx.node.has_side_effect(guard_value)

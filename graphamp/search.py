@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.config import Config
 from graphamp.convert import _convert, check_inputs
+from graphamp.eager import rng_kept
 from graphamp.errors import SearchError, SearchWarning
 from graphamp.explain import Explanation, _explain
 from graphamp.explain.numerics import buffers_restored, run_fp32, run_side_by_side
@@ -310,7 +311,7 @@ class _Search:
 def _ms(call: Callable[[], Any], repeat: int = 5) -> float:
     """Median milliseconds per call, after one warm-up (no grad, autocast off, buffers untouched)."""
     times = []
-    with torch.no_grad(), autocast_off(), torch.random.fork_rng(devices=[]):
+    with torch.no_grad(), autocast_off(), rng_kept():
         call()
         for _ in range(repeat):
             start = time.perf_counter()

@@ -307,8 +307,7 @@ def _autocast_call(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -
 @contextlib.contextmanager
 def _same_start(model: nn.Module) -> Iterator[None]:
     """Both sides start from the same random state and buffers, and leave both as they found them."""
-    with _state_restored(model), autocast_off():
-        torch.manual_seed(0)  # the same dropout masks on each side
+    with _state_restored(model, seed=0), autocast_off():  # the same dropout masks on each side
         yield
 
 

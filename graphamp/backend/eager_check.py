@@ -22,6 +22,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from graphamp.backend.observe import EagerRun, Frame, frame_name
+from graphamp.eager import rng_kept
 from graphamp.errors import EagerPathWarning
 from graphamp.spec import autocast_off
 
@@ -98,8 +99,7 @@ def check_outputs(
     if any(x is None for x in inputs):
         return False
     try:
-        with autocast_off(), torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
+        with autocast_off(), torch.no_grad(), rng_kept(seed=0):
             outs = run(*inputs)
     except Exception:  # the check is advisory: a graph that cannot run eagerly here is not judged
         return False

@@ -260,8 +260,7 @@ def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cach
     region = ambient_autocast(device_type, dtype, cache_enabled=cache_enabled) if dtype is not None else contextlib.nullcontext()
     try:
         args, kwargs = _fresh_arguments(frame)
-        with _state_restored(call), torch.no_grad(), region, recorder:
-            torch.manual_seed(0)
+        with _state_restored(call, seed=0), torch.no_grad(), region, recorder:
             result = call(*args, **kwargs)
     except Exception:  # advisory, as the attention probe: code that cannot run here is not judged
         return None

@@ -13,6 +13,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from graphamp.eager import RngState
 from graphamp.errors import ScriptCaptureError
 from graphamp.shared_state import capture_lock
 from graphamp.spec import ambient_autocast
@@ -72,7 +73,7 @@ def script_graph(model: nn.Module, args: tuple, kwargs: dict, *, device_type: st
     for name, t in model.named_buffers(remove_duplicate=False):
         names.setdefault(id(t), (name, False))
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
-    rng = torch.get_rng_state()
+    rng = RngState()
     try:
         # Unoptimized execution: the optimizing executor runs autodiff subgraphs whose inner ops
         # see detached inputs (their gradient is a C++ node the tracer never records), and its
@@ -100,7 +101,7 @@ def script_graph(model: nn.Module, args: tuple, kwargs: dict, *, device_type: st
             "on these inputs; or convert the Python nn.Module it was scripted from."
         ) from e
     finally:
-        torch.set_rng_state(rng)
+        rng.restore()
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(saved[name])

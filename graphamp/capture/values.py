@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.shared_state import capture_lock
 from graphamp.capture.functions import _FunctionKeeper
+from graphamp.eager import RngState
 from graphamp.errors import CaptureError
 from graphamp.node_info import info
 from graphamp.runtime import RESTORE_ON_REFUSAL, Slot, fill, guard_size, guard_value
@@ -139,7 +140,7 @@ def capture_by_values(
 
     run._orig_mod = model  # make_fx records each node's module stack relative to the model
     keeper = _FunctionKeeper()
-    rng = torch.get_rng_state()
+    rng = RngState()
     try:
         with (
             capture_lock(), _state_restored(model), ambient_autocast(device_type, dtype), keeper,
@@ -290,7 +291,7 @@ def _guard_reads(gm: GraphModule, reads: list[_Read], values_of: Callable[[list[
             pending.clear()
 
 
-def _run_for_values(gm: GraphModule, flat: list[Any], rng: torch.Tensor, model: nn.Module, device_type: str, dtype: torch.dtype) -> Callable[[list[Node]], dict[Node, Any]]:
+def _run_for_values(gm: GraphModule, flat: list[Any], rng: RngState, model: nn.Module, device_type: str, dtype: torch.dtype) -> Callable[[list[Node]], dict[Node, Any]]:
     """What ``_guard_reads`` asks for: the value each of some nodes had, from the graph run once more
     on the example from the trace's random state (its changes to the model put back)."""
     from graphamp.probe import _state_restored
@@ -307,7 +308,7 @@ def _run_for_values(gm: GraphModule, flat: list[Any], rng: torch.Tensor, model: 
 
         try:
             with _state_restored(model), ambient_autocast(device_type, dtype), torch.no_grad():
-                torch.set_rng_state(rng)
+                rng.restore()
                 Recording(gm).run(*flat)
         except Exception as e:
             raise _unguarded(nodes[0]) from e

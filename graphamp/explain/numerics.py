@@ -28,6 +28,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
+from graphamp.eager import RngState, rng_kept
 from graphamp.node_info import NodeInfo, peek
 from graphamp.runtime import cached_cast
 from graphamp.verify.report import _errors
@@ -95,7 +96,7 @@ class SideBySide(Interpreter):
         self.dtypes: dict[str, torch.dtype] = {}  # each tensor output's dtype as it ran
 
     def run_node(self, n: Node) -> Any:
-        rng = torch.get_rng_state()
+        rng = RngState()
         low = super().run_node(n)
         if isinstance(low, torch.Tensor):
             self.dtypes[n.name] = low.dtype
@@ -113,13 +114,13 @@ class SideBySide(Interpreter):
             self.ref_env.pop(dead, None)
         return low
 
-    def _reference(self, n: Node, low: Any, rng: torch.Tensor) -> Any:
+    def _reference(self, n: Node, low: Any, rng: RngState) -> Any:
         args = map_arg(n.args, lambda a: self.ref_env[a])
         kwargs = map_arg(n.kwargs, lambda a: self.ref_env[a])
         if cast_target(n) in LOW:
             return args[1] if n.target is cached_cast else args[0]
         args, kwargs = _clone_mutated(n, args, kwargs)
-        torch.set_rng_state(rng)
+        rng.restore()
         try:
             return n.target(*args, **kwargs)
         except Exception:
@@ -128,14 +129,14 @@ class SideBySide(Interpreter):
         # built with torch.finfo(fp16).min) meet fp32 values here: bring them to fp32 too.
         upcast = lambda t: t.float() if t.dtype in LOW else t
         args, kwargs = pytree.tree_map_only(torch.Tensor, upcast, (args, kwargs))
-        torch.set_rng_state(rng)
+        rng.restore()
         try:
             return n.target(*args, **kwargs)
         except Exception as e:
             self.reference_failures[n.name] = f"{type(e).__name__}: {e}".splitlines()[0]
             return pytree.tree_map_only(torch.Tensor, upcast, low)
 
-    def _local(self, n: Node, rng: torch.Tensor) -> torch.Tensor | None:
+    def _local(self, n: Node, rng: RngState) -> torch.Tensor | None:
         """The node's op on the reference inputs cast to the low run's input dtypes; None when those
         inputs already hold inf/nan (the overflow belongs to their producer)."""
         low_args, low_kwargs = self.fetch_args_kwargs_from_env(n)
@@ -154,14 +155,14 @@ class SideBySide(Interpreter):
             inputs.append(r)
         args, kwargs = pytree.tree_unflatten(inputs, spec)
         args, kwargs = _clone_mutated(n, args, kwargs)
-        torch.set_rng_state(rng)
+        rng.restore()
         try:
             out = n.target(*args, **kwargs)
         except Exception:
             return None
         return out if _floating(out) else None
 
-    def _measure(self, n: Node, low: torch.Tensor, ref: torch.Tensor, rng: torch.Tensor) -> None:
+    def _measure(self, n: Node, low: torch.Tensor, ref: torch.Tensor, rng: RngState) -> None:
         ref_finite = torch.isfinite(ref)
         overflow = int((~torch.isfinite(low) & ref_finite).sum())
         underflow = int(((low == 0) & (ref != 0)).sum())
@@ -177,7 +178,7 @@ class SideBySide(Interpreter):
             else:
                 local_rel = _errors(local, ref)[1]
                 local_overflow = int((~torch.isfinite(local) & ref_finite).sum())
-        torch.set_rng_state(rng)
+        rng.restore()
         self.numerics[n.name] = NodeNumerics(low.numel(), abs_err, rel_err, sqnr, overflow, underflow, local_rel, local_overflow)
         if overflow and self.first_nonfinite is None:
             self.first_nonfinite = n.name
@@ -212,8 +213,7 @@ def run_side_by_side(amp: GraphModule, model: nn.Module, args: tuple, kwargs: di
     from graphamp.spec import autocast_off
 
     interp = SideBySide(amp)
-    with buffers_restored(model), torch.no_grad(), autocast_off(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with buffers_restored(model), torch.no_grad(), autocast_off(), rng_kept(seed):
         flat = interp.run(*flat_inputs(amp, args, kwargs), enable_io_processing=False)
     return interp, amp.graph.process_outputs(flat)
 
@@ -222,8 +222,7 @@ def run_fp32(model: nn.Module, args: tuple, kwargs: dict, seed: int = 0) -> Any:
     """The model's own fp32 outputs (no autocast, no grad, seeded RNG, buffers restored)."""
     from graphamp.spec import autocast_off
 
-    with buffers_restored(model), torch.no_grad(), autocast_off(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with buffers_restored(model), torch.no_grad(), autocast_off(), rng_kept(seed):
         return model(*args, **kwargs)
 
 
@@ -243,8 +242,7 @@ class GradNumerics:
 def _grads(call: Any, params: list[nn.Parameter], scale: float, seed: int) -> list[torch.Tensor | None]:
     from graphamp.self_check import _loss
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with rng_kept(seed):
         loss = _loss(call()) * scale
     if not loss.requires_grad:
         return [None] * len(params)

@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from graphamp.config import Config
+from graphamp.eager import rng_kept
 from graphamp.emit import input_signature
 from graphamp.errors import OptionError, PolicyDriftWarning
 from graphamp.policy import DEVICE_TYPES
@@ -152,7 +153,7 @@ class _Router:
             target.forward = previous
         try:
             with (
-                torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]),
+                torch.inference_mode(False), torch.enable_grad(), rng_kept(),
                 _same_containers(self.root), warnings.catch_warnings(record=True) as caught,
             ):
                 warnings.simplefilter("always")

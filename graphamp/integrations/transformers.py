@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.backend.options import BackendOptions
 from graphamp.config import Config
+from graphamp.eager import rng_kept
 from graphamp.errors import CaptureError, InputMismatchError, OptionError
 from graphamp.spec import autocast_off, resolve_dtype
 
@@ -271,7 +272,9 @@ class _Converted:
     def __init__(self, model: nn.Module, dtype: torch.dtype | None, device_type: str | None, config: Config | None, self_check: str | bool) -> None:
         self.model, self.dtype, self.device_type, self.config, self.self_check = model, dtype, device_type, config, self_check
         self.graphs: dict[Any, nn.Module] = {}
-        self.lock = threading.Lock()
+        # Held while converting, which runs the new graph (its self-check): re-entrant, so that a
+        # call reaching this view again on the same thread recurses instead of waiting on itself.
+        self.lock = threading.RLock()
 
     def __call__(self, view: nn.Module, args: tuple, kwargs: dict) -> Any:
         from graphamp.emit import input_signature
@@ -308,8 +311,7 @@ class _Converted:
                 config = Config(cache_enabled=ambient[1])
         # Conversion runs the model (capture, the self-check) from the caller's random state and
         # restores it, so that the call after draws the dropout masks eager would.
-        rng_devices = [torch.device(device_type, torch.get_device_module(device_type).current_device())] if device_type == "cuda" else []
-        with torch.random.fork_rng(devices=rng_devices), autocast_off(), torch.enable_grad(), _training_as(self.model, training):
+        with rng_kept(), autocast_off(), torch.enable_grad(), _training_as(self.model, training):
             return graphamp.convert(
                 self.model, args, kwargs, dtype=dtype, device_type=device_type, config=config, self_check=self.self_check
             )

@@ -54,6 +54,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp import hardware
+from graphamp.eager import rng_kept
 from graphamp.passes.dedupe_casts import dedupe_casts
 from graphamp.passes.fold_casts import fold_casts
 from graphamp.passes.graph_edit import attr_of, cast_source, is_graphamp_cast, tensor_dtype
@@ -244,14 +245,6 @@ def measuring(
 def checks_accuracy() -> bool:
     """Whether autotune conversions here check the raised program's error (see :func:`measuring`)."""
     return _SETTINGS.get().check_accuracy
-
-
-def _random_state_kept(device_type: str) -> contextlib.AbstractContextManager:
-    """The CPU generator's state (and the device's, where one is present) restored on exit."""
-    module = getattr(torch, device_type, None)
-    if device_type != "cpu" and module is not None and getattr(module, "is_available", lambda: False)():
-        return torch.random.fork_rng(device_type=device_type)
-    return torch.random.fork_rng(devices=[])
 
 
 def _hint(d: int | torch.SymInt) -> int:
@@ -674,7 +667,7 @@ def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model
     # A training conversion is timed forward and backward: a step pays both.
     backward = not spec.inference and not spec.grad_free
     # Timed chains may hold dropout: the random state is the caller's again after measuring.
-    with torch.no_grad(), _random_state_kept(spec.device_type):
+    with torch.no_grad(), rng_kept():
         for c in candidates:
             name, low = c.node.name, c.low
             key, kinds = c.classify(set(raised), paid)

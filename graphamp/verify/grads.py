@@ -24,7 +24,7 @@ from graphamp.policy import short_dtype
 from graphamp.self_check import _loss  # the fixed loss both sides backpropagate
 from graphamp.verify.report import GradCheck, GradDivergence, _equal_nan, _errors
 from graphamp.verify.signatures import _is_passthrough, _op_name, _type_name
-from graphamp.verify.reference import _rng_state, _set_rng_state
+from graphamp.eager import rng_kept
 
 
 def _grad_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tuple[str, torch.Tensor]]]:
@@ -246,11 +246,9 @@ def _check_grads(
         flat = fx_pytree.tree_flatten_spec((a, k), in_spec)
         return amp.graph.process_outputs(interpreter.run(*flat, enable_io_processing=False))
 
-    devices = [torch.device(device_type, i) for i in range(torch.cuda.device_count())] if device_type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        state = _rng_state(device_type)
+    with rng_kept() as start, torch.enable_grad():
         want = _grad_run(eager, model, args, kwargs)
-        _set_rng_state(device_type, state)
+        start.restore()
         got = _grad_run(lambda a, k: amp(*a, **k), model, args, kwargs)
         checks = _grad_checks(got, want)
         if not checks:
@@ -259,9 +257,9 @@ def _check_grads(
             return checks, None, []
         # Localise: again, this time recording every op's output on both sides, the converted
         # side run node by node so each op is tied to the node that ran it.
-        _set_rng_state(device_type, state)
+        start.restore()
         want_recorded = _grad_run(eager, model, args, kwargs, _OpRecorder())
-        _set_rng_state(device_type, state)
+        start.restore()
         got_recorded = _grad_run(converted_by_node, model, args, kwargs, _OpRecorder(lambda: interpreter.current))
     divergence, notes = _grad_divergence(got_recorded, want_recorded)
     if not (_same_grads(want_recorded, want) and _same_grads(got_recorded, got)):

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from graphamp.spec import ambient_autocast
 from graphamp.config import Config
 from graphamp.convert import _convert as convert_core
+from graphamp.eager import rng_kept
 from graphamp.emit import AmpModule
 from graphamp.errors import PolicyDriftError
 from graphamp.runtime import WeightCache
@@ -143,30 +144,18 @@ def _run_real(
     amp: AmpModule | None = None,
 ) -> _Sides:
     amp, notes = (amp, []) if amp is not None else _convert(model, args, kwargs, dtype, device_type, mode, config)
-    devices = [torch.device(device_type, i) for i in range(torch.cuda.device_count())] if device_type == "cuda" else []
     cache_enabled = (config or Config()).cache_enabled
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        # Same random stream on both sides, so dropout draws the same masks.
-        state = _rng_state(device_type)
+    # Same random stream on both sides, so dropout draws the same masks.
+    with rng_kept() as start, torch.enable_grad():
         with torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled):
             ref = _detached(model(*args, **kwargs))
-        _set_rng_state(device_type, state)
+        start.restore()
         out = _detached(amp(*args, **kwargs))
-        _set_rng_state(device_type, state)
+        start.restore()
         eager_graph = _eager_graph(model, args, kwargs, device_type, dtype, cache_enabled=cache_enabled)
-        _set_rng_state(device_type, state)
+        start.restore()
         graphamp_graph = _lowered_graph(amp, args, kwargs)
     return _Sides(amp, out, ref, graphamp_graph, eager_graph, notes)
-
-
-def _rng_state(device_type: str) -> tuple:
-    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if device_type == "cuda" else None)
-
-
-def _set_rng_state(device_type: str, state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if device_type == "cuda":
-        torch.cuda.set_rng_state_all(state[1])
 
 
 def _run_fake_cuda(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, mode: str, config: Config | None) -> _Sides:
