@@ -32,6 +32,7 @@ from graphamp.errors import (
     SearchError,
     SearchWarning,
     UnsupportedFunctionError,
+    UnsupportedShardingError,
 )
 from graphamp.hardware import EmulatedPrecisionWarning
 from graphamp.plan import AutotunePlan, PlanMismatchError
@@ -79,6 +80,7 @@ __all__ = [
     "SearchWarning",
     "TrainStep",
     "UnsupportedFunctionError",
+    "UnsupportedShardingError",
     "convert",
     "explain",
     "export",

@@ -115,6 +115,10 @@ def convert(
     args, kwargs = check_inputs(model, args, kwargs, "graphamp.convert")
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r}")
+    if compile:  # refused for a sharded model before anything is captured (or gathered)
+        from graphamp.integrations import fsdp
+
+        fsdp.refuse_compile(model, "graphamp.convert")
     on_drift = check_self_check(self_check)
     spec = AmpSpec.resolve(
         model, (args, kwargs), dtype=dtype, device_type=device_type, mode=mode, inference=inference, config=config,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "InputValueError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError", "CompileError", "CompileFallbackWarning", "UnitInputError"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "InputValueError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError", "CompileError", "CompileFallbackWarning", "UnitInputError", "UnsupportedShardingError", "InputStructureError", "ModelChangedError", "ModelMethodError"]
 
 
 class GraphampError(Exception):
@@ -122,3 +122,12 @@ class UnitInputError(InputMismatchError):
     """A sharded unit's graph was called with inputs it was not converted for (other sizes or
     structure). Unlike a plain converted module, the model does not convert again for them: that
     gathers parameters, a collective that one rank cannot run alone in the middle of a forward."""
+
+
+class UnsupportedShardingError(GraphampError, RuntimeError):
+    """A model sharded with FSDP2's ``fully_shard`` uses an option that graphamp's unit-by-unit
+    conversion does not support: ``compile=True``, a unit sharded with a non-default
+    ``MixedPrecisionPolicy`` (FSDP's own casts), or activation checkpointing in the sharded model
+    (``checkpoint_wrapper``, the composable ``checkpoint``, Hugging Face's gradient checkpointing).
+    Raised before any capture or collective, on every rank alike, naming the option, the unit and
+    the way out."""

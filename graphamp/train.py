@@ -311,6 +311,10 @@ class TrainStep:
         self.on_drift = check_self_check(self_check)
         self.model = model
         self.inner = model.module if isinstance(model, DistributedDataParallel) else model
+        if compile:  # refused for a sharded model here, before any step gathers or captures
+            from graphamp.integrations import fsdp
+
+            fsdp.refuse_compile(self.inner, "graphamp.TrainStep")
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.spec = AmpSpec.resolve(self.inner, (), dtype=dtype, device_type=device_type, mode=mode, config=config, check_devices=False)

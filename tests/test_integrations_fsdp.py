@@ -238,10 +238,91 @@ def _scenario_errors(rank: int) -> dict:
     return out
 
 
+def _refused(call) -> tuple | None:
+    """None if ``call()`` ran, else the error's type name, whether it is the typed refusal, its message."""
+    from graphamp.errors import UnsupportedShardingError
+
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 (the type is what the test checks)
+        return (type(e).__name__, isinstance(e, UnsupportedShardingError), str(e))
+    return None
+
+
+def _scenario_unsupported(rank: int) -> dict:
+    """Options graphamp's unit-by-unit conversion refuses, each before any capture or collective (so
+    every rank refuses alike and none waits in a collective): compile=True, FSDP's own mixed
+    precision, activation checkpointing."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import graphamp
+
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+
+    def mlp(prepare=None, unit_policy=None, root_policy=None) -> nn.Module:
+        torch.manual_seed(0)
+        model = _MLP().train()
+        if prepare is not None:
+            prepare(model)
+        for block in model.blocks:
+            fully_shard(block, **({"mp_policy": unit_policy} if unit_policy is not None else {}))
+        fully_shard(model, **({"mp_policy": root_policy} if root_policy is not None else {}))
+        return model
+
+    def convert(model: nn.Module, **options):
+        return lambda: graphamp.convert(model, (x,), dtype=torch.bfloat16, **options)
+
+    def train(model: nn.Module, target=y, args=(x,), kwargs=None, loss=F.mse_loss, **options):
+        def run() -> None:
+            step = graphamp.TrainStep(model, loss, _adamw(model), dtype=torch.bfloat16, **options)
+            step(*args, target=target, **(kwargs or {}))
+        return run
+
+    def wrap_up(model: nn.Module) -> None:
+        for block in model.blocks:
+            block.up = checkpoint_wrapper(block.up)
+
+    def wrap_blocks(model: nn.Module) -> None:
+        for i in range(len(model.blocks)):
+            model.blocks[i] = checkpoint_wrapper(model.blocks[i])
+
+    def llama_checkpointed() -> nn.Module:
+        model = _llama()
+        model.gradient_checkpointing_enable()
+        return _shard(model, list(model.model.layers))
+
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(400 + rank))
+    bf16 = torch.bfloat16
+    return {
+        "compile": {
+            "convert": _refused(convert(mlp(), compile=True)),
+            "TrainStep": _refused(train(mlp(), compile=True)),
+        },
+        "mp_policy": {
+            "param_dtype": _refused(convert(mlp(unit_policy=MixedPrecisionPolicy(param_dtype=bf16)))),
+            "reduce_dtype": _refused(convert(mlp(unit_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)))),
+            "output_dtype": _refused(train(mlp(root_policy=MixedPrecisionPolicy(output_dtype=torch.float32)))),
+            "cast_forward_inputs": _refused(convert(mlp(unit_policy=MixedPrecisionPolicy(cast_forward_inputs=False)))),
+            # FSDP's default policy casts nothing: converted as without one.
+            "default": _refused(convert(mlp(unit_policy=MixedPrecisionPolicy(), root_policy=MixedPrecisionPolicy()), self_check="off")),
+        },
+        "checkpoint": {
+            "checkpoint_wrapper": _refused(convert(mlp(wrap_up))),
+            "checkpoint_wrapper unit": _refused(train(mlp(wrap_blocks))),
+            "composable": _refused(convert(mlp(lambda m: [checkpoint(b.up) for b in m.blocks]))),
+            "composable unit": _refused(convert(mlp(lambda m: [checkpoint(b) for b in m.blocks]))),
+            "gradient_checkpointing": _refused(train(llama_checkpointed(), target=ids, args=(), kwargs={"input_ids": ids}, loss=_lm_loss)),
+        },
+    }
+
+
 SCENARIOS = {
     "llama-trainstep": _scenario_llama_trainstep,
     "mlp-convert": _scenario_mlp_convert,
     "errors": _scenario_errors,
+    "unsupported": _scenario_unsupported,
 }
 
 
@@ -355,6 +436,57 @@ def test_grouped_units_refused_with_way_out(fsdp_results):
         typed, name, message = _result(fsdp_results, rank, "errors")["grouped"]
         assert typed, f"{name}: {message}"
         assert "fully_shard([a, b, ...])" in message and 'backend="graphamp"' in message
+
+
+def _refusals(fsdp_results: list[dict], option: str) -> list[tuple[int, str, tuple | None]]:
+    return [(rank, case, got) for rank in range(WORLD) for case, got in _result(fsdp_results, rank, "unsupported")[option].items()]
+
+
+def _assert_refused(rank: int, case: str, got: tuple | None, *needles: str) -> str:
+    assert got is not None, f"rank {rank}, {case}: converted instead of refused"
+    name, typed, message = got
+    assert typed and name == "UnsupportedShardingError", f"rank {rank}, {case}: {name}: {message}"
+    assert "Way out:" in message, message
+    for needle in needles:
+        assert needle in message, f"rank {rank}, {case}: {needle!r} not in: {message}"
+    return message
+
+
+def test_compile_true_refused_for_sharded_models(fsdp_results):
+    # Before: convert returned a CompiledAmpModule and TrainStep trained, drifting from eager + FSDP2.
+    refusals = _refusals(fsdp_results, "compile")
+    assert {case for _, case, _ in refusals} == {"convert", "TrainStep"}
+    for rank, case, got in refusals:
+        message = _assert_refused(rank, case, got, f"graphamp.{case}(compile=True)", "blocks.0", "without compile=True")
+        assert message.startswith(f"graphamp.{case}(compile=True)")
+
+
+def test_fsdp_mixed_precision_policy_refused(fsdp_results):
+    # Before: each converted (param_dtype even passed the self-check against eager + the same policy;
+    # output_dtype on the root made convert's module fail its first call with a UnitInputError).
+    for rank, case, got in _refusals(fsdp_results, "mp_policy"):
+        if case == "default":
+            assert got is None, f"rank {rank}: the default MixedPrecisionPolicy() was refused: {got}"
+            continue
+        unit = "the FSDP unit model (" if case == "output_dtype" else "the FSDP unit blocks.0 ("  # TrainStep: under its loss module
+        _assert_refused(rank, case, got, "mp_policy=MixedPrecisionPolicy(", f"{case}=", unit, "shard without mp_policy")
+
+
+def test_activation_checkpointing_in_sharded_model_refused(fsdp_results):
+    # Before: checkpoints inside a unit were traced through (no recompute: the activations of a model
+    # without checkpointing saved), a composable checkpoint on a unit recomputed the unit's eager
+    # forward for tensors its graph saved, and a CheckpointWrapper unit failed to capture.
+    where = {
+        "checkpoint_wrapper": ("blocks.0.up (CheckpointWrapper", "the FSDP unit blocks.0"),
+        "checkpoint_wrapper unit": ("model.blocks.0 (CheckpointWrapper", "the FSDP unit model.blocks.0"),
+        "composable": ("blocks.0.up (torch.distributed._composable.checkpoint", "the FSDP unit blocks.0"),
+        "composable unit": ("blocks.0 (torch.distributed._composable.checkpoint", "the FSDP unit blocks.0"),
+        "gradient_checkpointing": ("model.model.layers.0 (gradient_checkpointing", "the FSDP unit model.model.layers.0"),
+    }
+    refusals = _refusals(fsdp_results, "checkpoint")
+    assert {case for _, case, _ in refusals} == set(where)
+    for rank, case, got in refusals:
+        _assert_refused(rank, case, got, "activation checkpointing", *where[case], "without activation checkpointing")
 
 
 class _Masked(nn.Module):

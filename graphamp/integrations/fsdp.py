@@ -11,12 +11,16 @@ unit's parameters at call time, after the pre-hook gathered them. Eager autocast
 local to each op, so the units' graphs together compute what eager autocast + FSDP2 computes.
 
 ``graphamp.convert`` and ``graphamp.TrainStep`` dispatch here when the model holds a sharded unit.
+What this does not support is refused before anything is captured or gathered, on every rank alike,
+with :class:`graphamp.UnsupportedShardingError`: ``compile=True``, a unit's non-default
+``MixedPrecisionPolicy``, activation checkpointing in the sharded model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import sys
 from collections.abc import Iterator
@@ -27,14 +31,18 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from graphamp.errors import CaptureError, GraphampError, InputMismatchError, UnitInputError
+from graphamp.errors import CaptureError, GraphampError, InputMismatchError, UnitInputError, UnsupportedShardingError
 from graphamp.probe import attribute_bound
 from graphamp.spec import AmpSpec
 
-__all__ = ["FSDP_META", "FsdpUnitCall", "UnitInputError", "convert_sharded", "is_sharded", "self_check", "sharded_after_conversion", "sharded_units"]
+__all__ = ["FSDP_META", "FsdpUnitCall", "UnitInputError", "convert_sharded", "is_sharded", "refuse_compile", "self_check", "sharded_after_conversion", "sharded_units"]
 
 FSDP_META = "graphamp.fsdp"  # amp.meta: the paths of the units converted on their own
 _FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard"
+# Activation checkpointing's module wrappers (checkpoint_wrapper, offload_wrapper) and the registry
+# of composable APIs (torch.distributed._composable.checkpoint): none is in use unless imported.
+_CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+_COMPOSABLE_CONTRACT = "torch.distributed._composable.contract"
 # Set while the units are being converted: _convert converts each unit as a plain module then, and
 # each nested unit's call is recorded as one node instead of running.
 _CONVERTING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_fsdp_converting", default=False)
@@ -250,6 +258,106 @@ def _nested(module: nn.Module, units: dict[int, _Unit], *, include_self: bool = 
     return found
 
 
+def _paths(paths: list[str], limit: int = 4) -> str:
+    shown = [path or "<root>" for path in paths[:limit]]
+    return ", ".join(shown) + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def refuse_compile(model: nn.Module, caller: str) -> None:
+    """Raise :class:`UnsupportedShardingError` if ``model`` holds FSDP2 units: ``caller``
+    (``graphamp.convert`` or ``graphamp.TrainStep``) was asked for ``compile=True``, which a model
+    converted unit by unit does not support. Called before anything is converted."""
+    named = sharded_units(model)
+    if named:
+        raise UnsupportedShardingError(
+            f"{caller}(compile=True) does not support a model sharded with FSDP's fully_shard (the FSDP units "
+            f"{_paths([path for path, _ in named])}): graphamp converts such a model unit by unit and calls each "
+            "unit through FSDP's hooks, which gather and reduce-scatter around the unit's graph, and neither "
+            "compiles that program nor checks a compiled one against eager autocast + FSDP2. "
+            f"Way out: {caller}(...) without compile=True: each unit's graph runs uncompiled, bitwise equal "
+            "to eager torch.autocast + FSDP2."
+        )
+
+
+def _check_mixed_precision(units: list[tuple[str, nn.Module]]) -> None:
+    """Refuse a unit sharded with a ``MixedPrecisionPolicy`` other than FSDP's default (which casts nothing)."""
+    for path, module in units:
+        policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+        if policy is None or not dataclasses.is_dataclass(policy):
+            continue
+        default = type(policy)()
+        changed = [f"{f.name}={getattr(policy, f.name)}" for f in dataclasses.fields(policy) if getattr(policy, f.name) != getattr(default, f.name)]
+        if changed:
+            raise UnsupportedShardingError(
+                f"graphamp does not convert the FSDP unit {path or '<root>'} ({type(module).__name__}), sharded "
+                f"with mp_policy=MixedPrecisionPolicy({', '.join(changed)}): FSDP would then cast the unit's "
+                "parameters, inputs, outputs or gradient reductions itself, around the graph in which graphamp "
+                "already applies autocast's precision op by op; the graph is converted for the dtypes FSDP gives "
+                "it at conversion, and the two casts together are not eager autocast's program. Way out: shard "
+                "without mp_policy (fully_shard(module), FSDP's default MixedPrecisionPolicy()): graphamp applies "
+                "autocast's precision itself, and FSDP then gathers and reduces in the parameters' dtype, as "
+                "eager torch.autocast + FSDP2 does."
+            )
+
+
+def _checkpointed(model: nn.Module) -> list[tuple[str, str]]:
+    """The modules of ``model`` with activation checkpointing, with their paths and how it is applied:
+    ``checkpoint_wrapper``'s (or ``offload_wrapper``'s) modules, the composable
+    ``torch.distributed._composable.checkpoint``, and Hugging Face's ``gradient_checkpointing_enable()``
+    (the innermost flagged modules in training mode, where transformers calls torch.utils.checkpoint)."""
+    wrappers = sys.modules.get(_CHECKPOINT_WRAPPER)
+    wrapper = getattr(wrappers, "ActivationWrapper", None)
+    contract = sys.modules.get(_COMPOSABLE_CONTRACT)
+    registry = getattr(contract, "_get_registry", None)
+    found = []
+    flagged = []
+    for path, m in model.named_modules():
+        if wrapper is not None and isinstance(m, wrapper):
+            kind = next((c.__name__ for c in type(m).__mro__ if c.__module__ == _CHECKPOINT_WRAPPER), type(m).__name__)
+            found.append((path, f"{kind}, from torch.distributed.algorithms's checkpoint_wrapper"))
+        elif registry is not None and "checkpoint" in (registry(m) or {}):
+            found.append((path, "torch.distributed._composable.checkpoint"))
+        elif m.training and getattr(m, "gradient_checkpointing", False) is True:
+            flagged.append(path)
+    # Hugging Face flags the model and its layers alike; older versions checkpoint the layers from
+    # the model's loop, newer ones in each layer's call: the innermost flagged modules checkpoint.
+    innermost = [p for p in flagged if not any(q != p and (p == "" or q.startswith(p + ".")) for q in flagged)]
+    found += [(path, "gradient_checkpointing, Hugging Face's gradient_checkpointing_enable()") for path in innermost]
+    return found
+
+
+def _check_checkpointing(model: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
+    """Refuse activation checkpointing anywhere in a sharded model, naming the unit it is in."""
+    found = _checkpointed(model)
+    if not found:
+        return
+
+    def unit_of(path: str) -> str | None:
+        owners = [u for u, _ in units if u == "" or path == u or path.startswith(u + ".")]
+        return max(owners, key=len) if owners else None
+
+    described = []
+    for path, kind in found[:3]:
+        unit = unit_of(path)
+        if unit is None:
+            where = "outside every FSDP unit"
+        else:
+            where = f"{'on' if unit == path else 'in'} the FSDP unit {unit or '<root>'}{' itself' if unit == path else ''}"
+        described.append(f"{path or '<root>'} ({kind}) {where}")
+    more = f", and {len(found) - 3} more" if len(found) > 3 else ""
+    raise UnsupportedShardingError(
+        f"graphamp does not convert a sharded model with activation checkpointing: {'; '.join(described)}{more}. "
+        "graphamp captures each FSDP unit's forward as one graph: a non-reentrant checkpoint inside it (the "
+        "default of checkpoint_wrapper, of the composable checkpoint and of transformers) is traced through, "
+        "so nothing is recomputed and no memory is saved; a checkpoint around a unit recomputes the unit's "
+        "eager forward, not its graph, for the tensors the graph saved; and no recompute under FSDP is "
+        "checked against eager autocast + FSDP2. Way out: convert the model "
+        "without activation checkpointing (build it without checkpoint_wrapper, checkpoint(...) or "
+        "gradient_checkpointing_enable()), or keep the checkpointing and train it with eager "
+        "torch.autocast + FSDP2, outside graphamp."
+    )
+
+
 def _check_units(units: list[tuple[str, nn.Module]]) -> None:
     for path, module in units:
         state = module._get_fsdp_state()
@@ -334,7 +442,10 @@ def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, 
     from graphamp.convert import _convert  # convert dispatches here
 
     named = sharded_units(model)
+    # Refused before any capture or collective: every rank refuses alike, none waits for the others.
     _check_units(named)
+    _check_mixed_precision(named)
+    _check_checkpointing(model, named)
     modules = [m for _, m in named]
     units = {id(m): _Unit(path, m) for path, m in named}
     with torch.no_grad():  # the all-gathers' copies need no autograd record
