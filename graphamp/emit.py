@@ -321,12 +321,13 @@ class AmpModule(GraphModule):
             self.check_model()
 
     def check_model(self) -> None:
-        """Raise :class:`graphamp.ModelChangedError` if the model no longer holds each parameter and
-        buffer it held at conversion (compared by identity), which this module's graph reads."""
+        """Raise :class:`graphamp.ModelChangedError` if the model does not hold, under each name it
+        held a parameter or buffer at conversion, the object this module's graph reads (compared by
+        identity): one of them was replaced on one side only."""
         model, state = self.__dict__.get(_MODEL), self.__dict__.get(_MODEL_STATE)
         if model is None or state is None:
             return
-        replaced = state.replaced(model)
+        replaced = state.replaced(model, _reads(self))
         theirs = [p for _, p in model.named_parameters(remove_duplicate=False)]
         sharded = type(model).__name__.startswith("FSDP") or any(
             type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor" for p in theirs
@@ -708,9 +709,16 @@ def bind_model(amp: AmpModule, model: nn.Module) -> None:
     """Keep ``model`` with its converted module: to convert it again (other shapes, modes), to show
     its forward's signature, and to notice when its parameters are no longer the graph's."""
     amp.__dict__[_MODEL] = model
-    amp.__dict__[_MODEL_STATE] = ModelState(model)
+    amp.__dict__[_MODEL_STATE] = ModelState(model, _reads(amp))
     if _GRAPH in type(amp).__dict__:  # a loaded module: its class's forward gets the signature now
         type(amp).forward = _signed_forward(model)
+
+
+def _reads(amp: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and buffers ``amp``'s graph reads, by name."""
+    reads = dict(amp.named_parameters(remove_duplicate=False))
+    reads.update(amp.named_buffers(remove_duplicate=False))
+    return reads
 
 
 def _signed_forward(model: nn.Module | None) -> Any:

@@ -74,11 +74,15 @@ class ModelState:
     >>> assert not state.unchanged() and state.replaced(model) == ["1.weight"]
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, reads: dict[str, torch.Tensor] | None = None) -> None:
         _watch()
         weakref.finalize(self, _unwatch)
         self.tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self.tensors.update(model.named_buffers(remove_duplicate=False))
+        # The names under which the converted module holds the model's own object: those may be
+        # replaced on both sides alike. The others (a weight frozen to a low-precision copy) must
+        # stay what they were.
+        self.shared = {name for name, tensor in (reads or {}).items() if self.tensors.get(name) is tensor}
         self.accept(model)
 
     def accept(self, model: nn.Module) -> None:
@@ -93,9 +97,14 @@ class ModelState:
         (but through its modules' private dictionaries)."""
         return self.generation == _registrations[0] and list(map(type, self.modules)) == self.classes
 
-    def replaced(self, model: nn.Module) -> list[str]:
-        """The names of the parameters and buffers the model held at conversion that it no longer
-        holds (another object under the name, or none)."""
+    def replaced(self, model: nn.Module, reads: dict[str, torch.Tensor] | None = None) -> list[str]:
+        """The names under which the model no longer holds what the converted module reads: for a
+        name it shared at conversion, the object ``reads`` holds now (so a tensor replaced in both
+        is fine, and in one only is not); for the others, the object held at conversion."""
+        reads = reads or {}
         now: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         now.update(model.named_buffers(remove_duplicate=False))
-        return [name for name, tensor in self.tensors.items() if now.get(name) is not tensor]
+        return [
+            name for name, tensor in self.tensors.items()
+            if now.get(name) is not (reads.get(name) if name in self.shared else tensor)
+        ]

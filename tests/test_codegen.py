@@ -96,11 +96,17 @@ def test_every_change_to_the_state_is_seen(converted):
     setattr(amp.blocks, "2", new)  # the converted module's containers are plain nn.Modules
     model.blocks[2] = new
     assert torch.equal(amp(x), _eager(model, x))
-    # load_state_dict(assign=True) puts new Parameter objects in place.
+    # load_state_dict(assign=True) puts new Parameter objects in place, here in both.
     state = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
-    amp.load_state_dict(state, assign=True)
-    model.load_state_dict(state)
+    model.load_state_dict(state, assign=True)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        owner, _, attr = name.rpartition(".")
+        setattr(amp.get_submodule(owner), attr, tensor)
     assert torch.equal(amp(x), _eager(model, x))
+    # In the converted module only: the model (and its optimizer) no longer hold what it reads.
+    amp.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+    with pytest.raises(graphamp.ModelChangedError, match="blocks"):
+        amp(x)
 
 
 def test_parameters_replaced_by_apply_are_seen(converted):

@@ -115,3 +115,24 @@ def test_model_state_is_cheap_when_nothing_changed():
     assert not state.unchanged() and state.replaced(model) == []
     state.accept(model)
     assert state.unchanged()
+
+
+def test_a_loaded_inference_module_checks_against_its_loaded_model():
+    # Its weights frozen to low precision are its own buffers under the model's parameter names:
+    # compared with what they were cast from, not taken for replacements.
+    import io
+
+    model = _model().eval()
+    x = torch.randn(3, 4)
+    amp = graphamp.convert(model, (x,), inference=True)
+    buf = io.BytesIO()
+    torch.save(amp, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    nn.Linear(2, 2)  # a registration anywhere: the next call compares every tensor
+    want = _eager(model, x)
+    assert torch.equal(loaded(x), want)
+    loaded_model = loaded.__dict__["_graphamp_model"]
+    loaded_model[2].weight = nn.Parameter(torch.randn(4, 8))
+    with pytest.raises(graphamp.ModelChangedError, match=r"2\.weight"):
+        loaded(x)
