@@ -199,6 +199,7 @@ class Row:
     note: str = ""
     setup_s: float | None = None
     samples: list[float] = field(default_factory=list, repr=False)
+    limits: str = ""  # where the time goes (``run(limits=True)``): on the fastest row of each model
 
 
 def _cast_inputs(tree: Any, dtype: torch.dtype) -> Any:
@@ -426,8 +427,13 @@ def run(
     variants: list[str] | tuple[str, ...] | None = None,
     rounds: int = 7,
     target_s: float = 0.05,
+    limits: bool = False,
 ) -> list[Row]:
-    """Benchmark ``variants`` on ``models``; returns one Row per (model, variant)."""
+    """Benchmark ``variants`` on ``models``; returns one Row per (model, variant). ``limits``: also
+    where the time goes (:mod:`graphamp.bench_limits`): the matmul-only bound of a step on this
+    CPU and, for each model's fastest variant at autocast's accuracy or better, how far it is from
+    that bound and its share of time in matmul/conv kernels (costs a large GEMM timed per dtype,
+    about 20 s where the CPU emulates it, and a few profiled steps)."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if dtype not in DTYPES:
@@ -512,6 +518,9 @@ def run(
             if best:
                 row.vs_best = row.median_ms / best
                 row.best = best_name
+        if limits:
+            _progress(f"[{model_name}] where the time goes ... {eta.line()}")
+            _add_limits(model_rows, prepared, case, task, low)
         rows.extend(model_rows.values())
     _progress("")
     print(file=sys.stderr, end="")
@@ -573,6 +582,24 @@ class _Estimate:
         return f"({elapsed:.0f} s elapsed, about {self.left_s():.0f} s left)"
 
 
+def _add_limits(model_rows: dict[str, Row], prepared: dict[str, _Variant], case: zoo.Case, task: str, dtype: torch.dtype) -> None:
+    """Set ``limits`` on the fastest row at autocast's accuracy or better: the matmul-only bound of
+    a step (its matmul FLOPs, counted on an uncompiled fp32 copy, at this CPU's large-GEMM rate) and
+    how far that row is from it (:func:`graphamp.bench_limits.limits_line`)."""
+    from graphamp import bench_limits
+
+    ok = [r for r in model_rows.values() if r.status == "ok" and r.median_ms and r.variant not in PURE_LOW and r.variant in prepared]
+    if not ok:
+        return
+    fastest = min(ok, key=lambda r: r.median_ms)
+    try:
+        flops = bench_limits.matmul_flops(_prepare("fp32", case, task, dtype).step)
+        split = bench_limits.time_split(prepared[fastest.variant].step, calls=2)
+        fastest.limits = bench_limits.limits_line(flops, dtype, fastest=fastest.variant, fastest_ms=fastest.median_ms, split=split)
+    except Exception as e:  # a profile or count that fails costs the line, not the run
+        fastest.limits = f"where the time goes: not measured ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+
+
 def build_case(name: str) -> zoo.Case:
     """A built-in bench model (benchmark sizes), or ``pkg.module:factory`` for the user's own."""
     if name in BENCH_MODELS:
@@ -614,6 +641,7 @@ def table(rows: list[Row]) -> str:
             f"{_fmt(r.max_err, '.3g')} | {_fmt(r.err_vs_fp32, '.3g')} ({_fmt(r.autocast_err_vs_fp32, '.3g')}) | {_fmt(r.setup_s, '.1f')} |"
         )
     notes = [f"{r.model} {r.variant}: {r.note}" for r in rows if r.note]
+    notes += [f"{r.model} ({r.task}, {r.dtype}), where the time goes: {r.limits}" for r in rows if r.limits]
     bests = {r.model: r.best for r in rows if r.best}
     if bests:
         notes += [f"vs best: each row over the fastest alternative without graphamp ({', '.join(ALTERNATIVES)} as run): "

@@ -85,3 +85,14 @@ def test_compiled_fp32_and_pure_low_are_alternatives(tmp_path, capsys):
         assert r["vs_pure_low"] == pytest.approx(r["median_ms"] / rows[low]["median_ms"])
     assert rows["compile_fp32_freezing"]["err_vs_fp32"] < rows["compile_pure_low"]["err_vs_fp32"]
     assert "mlp (infer, bf16): use " in out
+
+
+def test_limits_say_where_the_time_goes(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    code = main(["bench", "--model", "mlp", "--variants", "fp32", "autocast", "graphamp", "--rounds", "1", "--limits", "--json", str(path)])
+    assert code == 0
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+    fastest = min(rows.values(), key=lambda r: r["median_ms"])
+    assert fastest["limits"].startswith("matmul-only bound") and f"the fastest variant, {fastest['variant']}," in fastest["limits"]
+    assert [r for r in rows.values() if r["limits"]] == [fastest]
+    assert "where the time goes: matmul-only bound" in capsys.readouterr().out

@@ -27,7 +27,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="default: fp32, eager autocast, the compiled alternative expected fastest on this CPU, graphamp exact "
         "and graphamp's path for this CPU (graphamp.bench.default_variants)",
     )
-    p.add_argument("--all", action="store_true", help="every variant that applies to the task: the full comparison")
+    p.add_argument("--all", action="store_true", help="every variant that applies to the task: the full comparison (with --limits)")
+    p.add_argument(
+        "--limits", action="store_true",
+        help="also where the time goes: the matmul-only bound on this CPU and the fastest variant's distance to it",
+    )
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: %(default)s)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--csv", metavar="PATH")
@@ -46,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
             )
     try:
         variants = bench.VARIANTS if args.all else args.variants
-        rows = bench.run(args.model, task=args.task, dtype=args.dtype, variants=variants, rounds=args.rounds)
+        rows = bench.run(args.model, task=args.task, dtype=args.dtype, variants=variants, rounds=args.rounds, limits=args.limits or args.all)
     except (ValueError, TypeError, ImportError) as e:  # a model that cannot be built: say why, no traceback
         raise SystemExit(f"graphamp bench: {e}") from e
     from graphamp.hardware import capability
