@@ -10,7 +10,7 @@ from graphamp.compiled import CompiledAmpModule, CompileError, CompileFallbackWa
 from graphamp.config import Config
 from graphamp.convert import convert
 from graphamp.emit import AmpInfo, AmpModule
-from graphamp.export import export
+from graphamp.export import export, verify_export
 from graphamp.errors import (
     BannedOpError,
     CaptureError,
@@ -84,6 +84,7 @@ __all__ = [
     "convert",
     "explain",
     "export",
+    "verify_export",
     "get_policy",
     "search",
     "verify",

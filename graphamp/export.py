@@ -11,6 +11,7 @@ compiles it.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -21,15 +22,18 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from graphamp.capture.export import _dynamic_shapes
+from graphamp.capture.kernels import eager_kernel_metas
 from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.config import Config
 from graphamp.convert import _rewrite, check_inputs
-from graphamp.errors import ExportError
+from graphamp.errors import ExportError, GraphampError, PolicyDriftWarning
+from graphamp.passes.export_guards import guards_as_asserts
 from graphamp.runtime import set_grad_enabled
+from graphamp.self_check import _autocast_call, _difference, _run, check_self_check
 from graphamp.shared_state import capture_lock
 from graphamp.spec import AmpSpec, autocast_off
 
-__all__ = ["export", "check_portable"]
+__all__ = ["export", "check_portable", "verify_export"]
 
 _LOW = (torch.float16, torch.bfloat16)
 _AUTOCAST_HOPS = (torch.ops.higher_order.wrap_with_autocast,)
@@ -46,6 +50,7 @@ def export(
     config: Config | None = None,
     keep_io_types: bool = False,
     dynamic: bool = True,
+    self_check: str | bool = "raise",
 ) -> torch.export.ExportedProgram:
     """Export ``model`` in mixed precision: an ExportedProgram equal to eager autocast, no graphamp needed.
 
@@ -64,11 +69,19 @@ def export(
             cast inside, and bf16/fp16 floating outputs are returned in fp32.
         dynamic: every input dim may vary where the model allows (``Dim.AUTO``); False fixes
             every size to the example's.
+        self_check: with autocast's own policy, the program and the model under eager autocast
+            run the example once more without grad, and every output value and dtype must be
+            bitwise equal (:func:`verify_export`). Where they differ, the model is captured on the
+            example's values (the tensor values eager's Python reads become assertions in the
+            program) and checked again; "raise" (default) raises :class:`graphamp.ExportError`
+            if that differs too, "warn" warns :class:`graphamp.PolicyDriftWarning` and returns the
+            first program, "off" skips it.
 
     Raises:
         graphamp.CaptureError: the model cannot be captured as one graph (data-dependent control flow).
         graphamp.ExportError: the graph would need graphamp at run time (a custom
-            ``autograd.Function`` graphamp keeps whole).
+            ``autograd.Function`` graphamp keeps whole), or the program differs from eager
+            autocast on the example (``self_check``).
 
     >>> import graphamp
     >>> model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4), nn.LayerNorm(4))
@@ -83,18 +96,98 @@ def export(
     args, kwargs = check_inputs(model, args, kwargs, "graphamp.export")
     if not isinstance(dynamic, bool):
         raise TypeError(f"dynamic must be True or False, got {type(dynamic).__name__}")
+    on_drift = check_self_check(self_check)
     spec = AmpSpec.resolve(
         model, (args, kwargs), dtype=dtype, device_type=device_type, inference=True, config=config,
         keep_io_types=keep_io_types, target="export",
     )
+    ep = _export(model, args, kwargs, spec, dynamic)
+    if on_drift == "off" or not spec.check or not _real(model, args, kwargs):
+        return ep
+    problem = verify_export(ep, model, args, kwargs, dtype=spec.dtype, device_type=spec.device_type, keep_io_types=keep_io_types)
+    if not problem:
+        return ep
+    # Where eager's program depends on values the example holds (a mask eager drops by value), the
+    # capture on values follows eager's program and turns what it read into assertions.
+    try:
+        by_values = _export(model, args, kwargs, dataclasses.replace(spec, capture="values"), dynamic=False)
+        again = verify_export(by_values, model, args, kwargs, dtype=spec.dtype, device_type=spec.device_type, keep_io_types=keep_io_types)
+    except GraphampError as e:
+        again = f"the capture on values failed too ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    if not again:
+        return by_values
+    message = (
+        f"graphamp.export's self-check: the exported program of {type(model).__name__} differs from eager "
+        f"torch.autocast({spec.device_type}, {spec.dtype}) on the example: {problem}; captured on the example's "
+        f"values: {again}. Way out: graphamp.convert(model, args, inference=True), which checks itself and converts "
+        "again where eager's program changes; or self_check='warn' to take this program, which differs."
+    )
+    if on_drift == "raise":
+        raise ExportError(message)
+    warnings.warn(message, PolicyDriftWarning, stacklevel=2)
+    return ep
+
+
+def verify_export(
+    program: torch.export.ExportedProgram,
+    model: nn.Module,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device_type: str | None = None,
+    keep_io_types: bool = False,
+) -> str:
+    """The first difference, in words, between ``program`` (from :func:`export`, or
+    ``torch.export.load``) and ``model`` under eager ``torch.autocast`` on these inputs, both run
+    without grad from the same random state and buffers; "" where every output value and dtype is
+    bitwise equal (with ``keep_io_types``, eager's low-precision outputs compared in fp32).
+
+    >>> import graphamp
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).eval()
+    >>> x = torch.randn(4, 8)
+    >>> ep = graphamp.export(model, (x,))
+    >>> assert graphamp.verify_export(ep, model, (torch.randn(3, 8),)) == ""
+    >>> other = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).eval()   # other weights
+    >>> assert "differs" in graphamp.verify_export(ep, other, (x,))
+    """
+    args, kwargs = check_inputs(model, args, kwargs, "graphamp.verify_export")
+    spec = AmpSpec.resolve(model, (args, kwargs), dtype=dtype, device_type=device_type, inference=True, keep_io_types=keep_io_types)
+    run_args, run_kwargs = pytree.tree_map_only(torch.Tensor, _as_fp32, (args, kwargs)) if keep_io_types else (args, kwargs)
+    module = program.module()
+    ref = _run(lambda: _autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True)
+    got = _run(lambda: module(*run_args, **run_kwargs), model, grads=False, no_grad=True)
+    return _difference(got, ref, keep_io_types=keep_io_types)
+
+
+def _real(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the model and inputs hold values to compare (not fake or meta tensors)."""
+    tensors = [*model.parameters(), *model.buffers(), *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
+    return not any(isinstance(t, torch._subclasses.fake_tensor.FakeTensor) or t.device.type == "meta" for t in tensors)
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, dynamic: bool) -> torch.export.ExportedProgram:
+    """The rewritten graph of ``model`` under ``spec``, exported by torch.export and checked portable."""
     gm = _rewrite(model, args, kwargs, spec)
+    # The capture on values checks what the model's code read as it runs (runtime.guard_value); a
+    # program may not call graphamp, so those checks become ATen assertions, or the export is refused.
+    unexpressed = guards_as_asserts(gm)
+    if unexpressed:
+        raise ExportError(
+            f"{type(model).__name__}'s code reads tensor values to choose its program ({', '.join(unexpressed[:3])}) "
+            "in a way no ATen assertion can check, so an exported program could not refuse inputs that take another "
+            "path in eager. Way out: graphamp.convert(model, args, inference=True), which checks them as it runs."
+        )
     # graphamp's grad-mode switches are traced through by torch.export; a kept Function is not.
     check_portable(gm, stage="the converted graph", allow=(set_grad_enabled,))
     # Weak references to the model's parameters (for AmpModule.refresh) have no place in a program.
     gm.meta.pop("graphamp_frozen", None)
-    if keep_io_types:
+    if spec.keep_io_types:
         args, kwargs = pytree.tree_map_only(torch.Tensor, _as_fp32, (args, kwargs))
-    with capture_lock(), autocast_off(), fx_config.patch(backed_size_oblivious=True), warnings.catch_warnings():
+    with (
+        capture_lock(), autocast_off(), fx_config.patch(backed_size_oblivious=True), warnings.catch_warnings(),
+        eager_kernel_metas(),  # fake kernels that refuse what the CPU kernel takes (fp32 _grouped_mm), as in capture
+    ):
         warnings.filterwarnings("ignore", message=".*were assigned during export.*")
         try:
             ep = torch.export.export(

@@ -331,3 +331,67 @@ def test_a_value_eager_reads_is_an_assertion_in_the_exported_program(tmp_path):
     unpadded, _ = _inputs(padded=False)
     with pytest.raises(RuntimeError, match="graphamp.export: the model's code reads a tensor value"):
         run(*unpadded)
+
+
+def _census_model(name: str) -> tuple[nn.Module, tuple, dict]:
+    """The census's tiny random-weight build of ``name`` whose eager autocast runs, in eval mode."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import census_models
+    finally:
+        sys.path.pop(0)
+    for attempt in range(census_models.attempts(name)):
+        try:
+            built = census_models.build(name, attempt)
+            args, kwargs = built.make_inputs(census_models.BATCH)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                built.model.eval()(*args, **kwargs)
+        except Exception:
+            continue
+        return built.model, args, kwargs
+    pytest.skip(f"no build of {name} runs under eager autocast with this transformers")
+
+
+def test_a_program_that_differs_from_eager_is_exported_from_the_capture_on_values(tmp_path):
+    # transformers' PaliGemma: traced by torch.export, its mask code builds another attention
+    # program than eager's (which reads the mask's values), and the program differs from eager
+    # autocast. The self-check finds it and exports the capture on the example's values, where
+    # what the code read is an ATen assertion: bitwise, and loadable without graphamp.
+    model, args, kwargs = _census_model("hf/paligemma")
+    first = graphamp.export(model, args, kwargs, self_check="off")
+    assert "differs" in graphamp.verify_export(first, model, args, kwargs)
+    ep = graphamp.export(model, args, kwargs)
+    assert "graphamp.runtime" not in ep.graph_module.code
+    path = tmp_path / "paligemma.pt2"
+    torch.export.save(ep, path)
+    assert graphamp.verify_export(torch.export.load(path), model, args, kwargs) == ""  # a saved program, checked
+
+
+def test_a_difference_no_fallback_removes_is_an_export_error_or_a_warning(monkeypatch):
+    import sys
+
+    export_module = sys.modules["graphamp.export"]  # the module; graphamp.export is the function
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).eval()
+    x = torch.randn(4, 8)
+    monkeypatch.setattr(export_module, "verify_export", lambda *a, **k: "output[0] differs (max abs difference 0.5)")
+    with pytest.raises(graphamp.ExportError, match="self-check.*output\\[0\\] differs.*Way out"):
+        graphamp.export(model, (x,))
+    with pytest.warns(graphamp.PolicyDriftWarning, match="output\\[0\\] differs"):
+        ep = graphamp.export(model, (x,), self_check="warn")
+    assert isinstance(ep, torch.export.ExportedProgram)
+    graphamp.export(model, (x,), self_check="off")  # no check, no warning
+    with pytest.raises(ValueError):
+        graphamp.export(model, (x,), self_check="sometimes")
+
+
+def test_verify_export_names_a_dtype_difference():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    x = torch.randn(4, 8)
+    ep = graphamp.export(model, (x,), keep_io_types=True)
+    # keep_io_types returns fp32: compared against eager without keep_io_types, the dtype differs
+    assert "float32" in graphamp.verify_export(ep, model, (x,)) and "bfloat16" in graphamp.verify_export(ep, model, (x,))
+    assert graphamp.verify_export(ep, model, (x,), keep_io_types=True) == ""
