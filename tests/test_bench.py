@@ -96,3 +96,22 @@ def test_limits_say_where_the_time_goes(tmp_path, capsys):
     assert fastest["limits"].startswith("matmul-only bound") and f"the fastest variant, {fastest['variant']}," in fastest["limits"]
     assert [r for r in rows.values() if r["limits"]] == [fastest]
     assert "where the time goes: matmul-only bound" in capsys.readouterr().out
+
+
+def test_a_variant_compiled_after_many_others_is_really_compiled(monkeypatch):
+    # Every compiled variant compiles the same forward; past dynamo's recompile limit (8) a further
+    # torch.compile would run the model eagerly in fp32 without a word, under the variant's name.
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).eval()
+    x = torch.randn(4, 8)
+    with bench._every_variant_compiled(), torch.no_grad():
+        for _ in range(10):  # a new backend each time: dynamo compiles again (BACKEND_MATCH)
+            torch.compile(model, backend=lambda gm, example: gm.forward)(x)
+        out = torch.compile(model, backend="graphamp", options={"dtype": torch.bfloat16})(x)
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        want = model(x)
+    assert out.dtype == want.dtype == torch.bfloat16  # mixed precision, not fp32 eager
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-2)
