@@ -32,7 +32,12 @@ BATCH = 2
 SEQ = 8
 DECODER_SEQ = 5
 
-MakeInputs = Callable[[int], tuple[tuple, dict[str, Any]]]
+# make_inputs(batch, seed=0, seq=None) -> (args, kwargs). seed=0 is the example; another seed
+# redraws the float inputs and changes integer ids (within the vocabulary) at the same shapes; seq
+# (only where Built.seq_input) sets the length of input_ids (and of what follows it: the mask, bbox).
+MakeInputs = Callable[..., tuple[tuple, dict[str, Any]]]
+# A seed's offset in the generators' seeds: seed 0 keeps every example as it was.
+SEED_STRIDE = 7919
 
 
 class BuildError(Exception):
@@ -47,6 +52,12 @@ class Built:
     # Which class was built, and how far the config was shrunk ("tiny", "head-dim kept", ...).
     cls: str
     note: str = ""
+    # make_inputs takes seq= (the model's main input is input_ids).
+    seq_input: bool = False
+    # The same model built with its own dropout probabilities (the census's build zeroes them in the
+    # config) and those config values above 0 (name -> p), for the dropout check; None where the
+    # model's dropout lives in its modules only (timm, diffusers: the census restores their own p).
+    dropout_model: Callable[[], tuple[nn.Module, dict[str, float]]] | None = None
 
 
 def census_site() -> Path:
@@ -120,6 +131,9 @@ _EXPERTS = re.compile(r"^(num_experts|n_routed_experts|num_local_experts|moe_num
 _TOPK = re.compile(r"^(num_experts_per_tok|moe_topk|top_k|num_experts_per_token)$")
 # Train-mode randomness off: dropout, stochastic depth, and SpecAugment's masking (wav2vec2 family).
 _DROPOUT = re.compile(r"(dropout|drop_prob|_pdrop$|^pdrop|drop_path|layerdrop|drop_rate|attention_probs_dropout|^mask_time_prob$|^mask_feature_prob$)")
+# SpecAugment draws its masks with numpy, which no torch seed reaches: zeroed even where the dropout
+# check keeps the config's dropout.
+_SPEC_AUGMENT = re.compile(r"^mask_(time|feature)_prob$")
 _TOKEN_ID = re.compile(r"(_token_id|_token_index|_id)$")
 
 
@@ -215,8 +229,9 @@ def _tie(out: dict[str, Any]) -> None:
                 out[g] = 1
 
 
-def shrink_config_dict(d: dict[str, Any], how: Shrink) -> dict[str, Any]:
-    """A copy of a config's to_dict() with sizes made small, recursing into sub-configs."""
+def shrink_config_dict(d: dict[str, Any], how: Shrink, *, keep_dropout: bool = False) -> dict[str, Any]:
+    """A copy of a config's to_dict() with sizes made small, recursing into sub-configs; dropout
+    zeroed unless ``keep_dropout`` (SpecAugment's masking is zeroed always)."""
     out = dict(d)
     old_heads = next((v for k, v in d.items() if _HEADS.match(k) and isinstance(v, int)), None)
     head_dim = d.get("head_dim") if isinstance(d.get("head_dim"), int) else None
@@ -231,12 +246,13 @@ def shrink_config_dict(d: dict[str, Any], how: Shrink) -> dict[str, Any]:
     old_layers = None
     for k, v in d.items():
         if isinstance(v, dict) and "model_type" in v:
-            out[k] = shrink_config_dict(v, how)
+            out[k] = shrink_config_dict(v, how, keep_dropout=keep_dropout)
             continue
         if isinstance(v, bool):
             continue
         if isinstance(v, float) and _DROPOUT.search(k):
-            out[k] = 0.0
+            if not keep_dropout or _SPEC_AUGMENT.match(k):
+                out[k] = 0.0
         elif not isinstance(v, int):
             if how.images and isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
                 if k in ("depths", "num_layers_per_stage", "stage_depths", "layer_depths", "depth"):
@@ -291,11 +307,11 @@ def shrink_config_dict(d: dict[str, Any], how: Shrink) -> dict[str, Any]:
     return out
 
 
-def _hf_config(model_type: str, how: Shrink):
+def _hf_config(model_type: str, how: Shrink, *, keep_dropout: bool = False):
     from transformers import AutoConfig
 
     base = AutoConfig.for_model(model_type)
-    d = shrink_config_dict(base.to_dict(), how)
+    d = shrink_config_dict(base.to_dict(), how, keep_dropout=keep_dropout)
     d.pop("transformers_version", None)
     config = type(base).from_dict(d)
     if hasattr(config, "use_cache"):
@@ -336,13 +352,13 @@ def _image(config: Any, b: int, seed: int) -> torch.Tensor:
     return torch.randn(b, channels, size, size, generator=_gen(seed))
 
 
-def _hf_input(name: str, config: Any, b: int, seed: int, main: str) -> torch.Tensor | None:
+def _hf_input(name: str, config: Any, b: int, seed: int, main: str, seq: int = SEQ) -> torch.Tensor | None:
     if name == "input_ids":
-        return _token_ids(config, (b, SEQ), seed)
+        return _token_ids(config, (b, seq), seed)
     if name == "decoder_input_ids":
         return _token_ids(config, (b, DECODER_SEQ), seed + 1)
     if name == "attention_mask":
-        return torch.ones(b, SEQ, dtype=torch.long) if main == "input_ids" else None
+        return torch.ones(b, seq, dtype=torch.long) if main == "input_ids" else None
     if name == "pixel_values":
         return _image(config, b, seed + 2)
     if name == "input_values":
@@ -352,8 +368,8 @@ def _hf_input(name: str, config: Any, b: int, seed: int, main: str) -> torch.Ten
         frames = 2 * _as_int(_find(config, "max_source_positions"), 32)
         return torch.randn(b, bins, frames, generator=_gen(seed + 4))
     if name == "bbox":
-        lo = torch.randint(0, 500, (b, SEQ, 2), generator=_gen(seed + 5))
-        return torch.cat([lo, lo + torch.randint(0, 500, (b, SEQ, 2), generator=_gen(seed + 6))], -1)
+        lo = torch.randint(0, 500, (b, seq, 2), generator=_gen(seed + 5))
+        return torch.cat([lo, lo + torch.randint(0, 500, (b, seq, 2), generator=_gen(seed + 6))], -1)
     if name == "token_type_ids":
         return None
     return None
@@ -374,10 +390,10 @@ def _hf_make_inputs(model: nn.Module, config: Any, *, pixels: bool) -> MakeInput
     if pixels:
         wanted.append("pixel_values")
 
-    def make(b: int) -> tuple[tuple, dict[str, Any]]:
+    def make(b: int, seed: int = 0, seq: int | None = None) -> tuple[tuple, dict[str, Any]]:
         kwargs = {}
         for name in wanted:
-            t = _hf_input(name, config, b, seed=1000 * b, main=main)
+            t = _hf_input(name, config, b, seed=1000 * b + SEED_STRIDE * seed, main=main, seq=seq or SEQ)
             if t is None:
                 if name in required:
                     raise BuildError(f"no generic input for the required argument {name!r}")
@@ -433,7 +449,24 @@ def build_hf(model_type: str, attempt: int) -> Built:
     config = _hf_config(model_type, how)
     model = _seeded(lambda: cls(config)).eval()
     note = how.label + (" + pixel_values" if pixels else "")
-    return Built(f"hf/{model_type}", model, _hf_make_inputs(model, config, pixels=pixels), cls_name, note)
+    seq_input = getattr(model, "main_input_name", "input_ids") == "input_ids"  # input_ids always made
+
+    def dropout_model() -> tuple[nn.Module, dict[str, float]]:
+        kept = _hf_config(model_type, how, keep_dropout=True)
+        return _seeded(lambda: cls(kept)).eval(), _dropout_values(kept.to_dict())
+
+    return Built(f"hf/{model_type}", model, _hf_make_inputs(model, config, pixels=pixels), cls_name, note, seq_input=seq_input, dropout_model=dropout_model)
+
+
+def _dropout_values(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The config's dropout-like values above 0 (sub-configs as ``prefix.name``)."""
+    found: dict[str, float] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            found.update(_dropout_values(v, f"{prefix}{k}."))
+        elif isinstance(v, float) and v > 0 and _DROPOUT.search(k) and not _SPEC_AUGMENT.match(k):
+            found[prefix + k] = v
+    return found
 
 
 # ---------------------------------------------------------------- timm
@@ -479,8 +512,8 @@ def build_timm(name: str) -> Built:
         if hasattr(m, "drop_prob"):
             m.drop_prob = 0.0
 
-    def make(b: int) -> tuple[tuple, dict]:
-        return (torch.randn(b, 3, size, size, generator=_gen(b)),), {}
+    def make(b: int, seed: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(b, 3, size, size, generator=_gen(b + SEED_STRIDE * seed)),), {}
 
     return Built(f"timm/{name}", model, make, type(model).__name__, f"{size}px")
 
@@ -509,7 +542,7 @@ def _unet2d_condition() -> tuple[nn.Module, MakeInputs]:
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
         cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
     )
-    return model, lambda b: ((torch.randn(b, 4, 16, 16, generator=_gen(b)), torch.tensor([10] * b)), {"encoder_hidden_states": torch.randn(b, 6, 32, generator=_gen(b + 1))})
+    return model, lambda b, seed=0: ((torch.randn(b, 4, 16, 16, generator=_gen(b + SEED_STRIDE * seed)), torch.tensor([10 + 37 * seed] * b)), {"encoder_hidden_states": torch.randn(b, 6, 32, generator=_gen(b + 1 + SEED_STRIDE * seed))})
 
 
 def _unet2d() -> tuple[nn.Module, MakeInputs]:
@@ -518,7 +551,7 @@ def _unet2d() -> tuple[nn.Module, MakeInputs]:
         sample_size=16, in_channels=3, out_channels=3, block_out_channels=(32, 64), layers_per_block=1,
         down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8,
     )
-    return model, lambda b: ((torch.randn(b, 3, 16, 16, generator=_gen(b)), torch.tensor([10] * b)), {})
+    return model, lambda b, seed=0: ((torch.randn(b, 3, 16, 16, generator=_gen(b + SEED_STRIDE * seed)), torch.tensor([10 + 37 * seed] * b)), {})
 
 
 def _autoencoder_kl() -> tuple[nn.Module, MakeInputs]:
@@ -527,7 +560,7 @@ def _autoencoder_kl() -> tuple[nn.Module, MakeInputs]:
         in_channels=3, out_channels=3, block_out_channels=(32, 64), layers_per_block=1, latent_channels=4, norm_num_groups=8,
         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, sample_size=32,
     )
-    return model, lambda b: ((torch.randn(b, 3, 32, 32, generator=_gen(b)),), {})
+    return model, lambda b, seed=0: ((torch.randn(b, 3, 32, 32, generator=_gen(b + SEED_STRIDE * seed)),), {})
 
 
 def _dit() -> tuple[nn.Module, MakeInputs]:
@@ -535,7 +568,7 @@ def _dit() -> tuple[nn.Module, MakeInputs]:
     model = d.DiTTransformer2DModel(
         num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=1000,
     )
-    return model, lambda b: ((torch.randn(b, 4, 8, 8, generator=_gen(b)),), {"timestep": torch.tensor([10] * b), "class_labels": torch.arange(b) % 10})
+    return model, lambda b, seed=0: ((torch.randn(b, 4, 8, 8, generator=_gen(b + SEED_STRIDE * seed)),), {"timestep": torch.tensor([10 + 37 * seed] * b), "class_labels": (torch.arange(b) + 3 * seed) % 10})
 
 
 def _pixart() -> tuple[nn.Module, MakeInputs]:
@@ -544,9 +577,9 @@ def _pixart() -> tuple[nn.Module, MakeInputs]:
         num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2, sample_size=8, patch_size=2,
         cross_attention_dim=32, caption_channels=24, use_additional_conditions=False,
     )
-    return model, lambda b: (
-        (torch.randn(b, 4, 8, 8, generator=_gen(b)),),
-        {"encoder_hidden_states": torch.randn(b, 6, 24, generator=_gen(b + 1)), "timestep": torch.tensor([10] * b), "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}},
+    return model, lambda b, seed=0: (
+        (torch.randn(b, 4, 8, 8, generator=_gen(b + SEED_STRIDE * seed)),),
+        {"encoder_hidden_states": torch.randn(b, 6, 24, generator=_gen(b + 1 + SEED_STRIDE * seed)), "timestep": torch.tensor([10 + 37 * seed] * b), "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}},
     )
 
 
@@ -556,9 +589,9 @@ def _sd3() -> tuple[nn.Module, MakeInputs]:
         sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16,
     )
-    return model, lambda b: (
-        (torch.randn(b, 4, 8, 8, generator=_gen(b)),),
-        {"encoder_hidden_states": torch.randn(b, 6, 32, generator=_gen(b + 1)), "pooled_projections": torch.randn(b, 16, generator=_gen(b + 2)), "timestep": torch.tensor([10] * b)},
+    return model, lambda b, seed=0: (
+        (torch.randn(b, 4, 8, 8, generator=_gen(b + SEED_STRIDE * seed)),),
+        {"encoder_hidden_states": torch.randn(b, 6, 32, generator=_gen(b + 1 + SEED_STRIDE * seed)), "pooled_projections": torch.randn(b, 16, generator=_gen(b + 2 + SEED_STRIDE * seed)), "timestep": torch.tensor([10 + 37 * seed] * b)},
     )
 
 
@@ -567,7 +600,7 @@ def _transformer2d() -> tuple[nn.Module, MakeInputs]:
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
     model = Transformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=32, num_layers=1, cross_attention_dim=24, norm_num_groups=8)
-    return model, lambda b: ((torch.randn(b, 32, 8, 8, generator=_gen(b)),), {"encoder_hidden_states": torch.randn(b, 6, 24, generator=_gen(b + 1))})
+    return model, lambda b, seed=0: ((torch.randn(b, 32, 8, 8, generator=_gen(b + SEED_STRIDE * seed)),), {"encoder_hidden_states": torch.randn(b, 6, 24, generator=_gen(b + 1 + SEED_STRIDE * seed))})
 
 
 def _flux() -> tuple[nn.Module, MakeInputs]:
@@ -577,12 +610,12 @@ def _flux() -> tuple[nn.Module, MakeInputs]:
         joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6),
     )
 
-    def make(b: int) -> tuple[tuple, dict]:
+    def make(b: int, seed: int = 0) -> tuple[tuple, dict]:
         return (), {
-            "hidden_states": torch.randn(b, 16, 16, generator=_gen(b)),
-            "encoder_hidden_states": torch.randn(b, 6, 32, generator=_gen(b + 1)),
-            "pooled_projections": torch.randn(b, 16, generator=_gen(b + 2)),
-            "timestep": torch.tensor([0.5] * b),
+            "hidden_states": torch.randn(b, 16, 16, generator=_gen(b + SEED_STRIDE * seed)),
+            "encoder_hidden_states": torch.randn(b, 6, 32, generator=_gen(b + 1 + SEED_STRIDE * seed)),
+            "pooled_projections": torch.randn(b, 16, generator=_gen(b + 2 + SEED_STRIDE * seed)),
+            "timestep": torch.tensor([0.5 + 0.125 * seed] * b),
             "img_ids": torch.zeros(16, 3),
             "txt_ids": torch.zeros(6, 3),
         }
@@ -606,10 +639,10 @@ def build_diffusers(key: str) -> Built:
     torch.manual_seed(0)
     model, make = DIFFUSERS_MODELS[key]()
 
-    def tuple_output(b: int) -> tuple[tuple, dict]:
+    def tuple_output(b: int, seed: int = 0) -> tuple[tuple, dict]:
         # diffusers' output classes are pytree nodes without key paths, which torch.export refuses
         # (ValueError: Did not find a flatten_with_keys_fn); tuples keep the numerics checks running.
-        args, kwargs = make(b)
+        args, kwargs = make(b, seed)
         return args, {**kwargs, "return_dict": False}
 
     return Built(f"diffusers/{key}", model.eval(), tuple_output, type(model).__name__, "return_dict=False")
