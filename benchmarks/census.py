@@ -11,13 +11,41 @@ a few diffusers models (``census_models.py``), with random weights. Per model, a
 - ``batch``: the module converted at batch 2, called at batches 1 and 3;
 - ``backend``: ``torch.compile(model, backend="graphamp", options={"inner": "eager"})``, forward.
 
+convert checks itself against eager autocast on the example, so the checks above re-check what it
+already compared (on the example); these do not:
+
+- ``inputs``: the bf16 module converted on the example, called on other values at the same shapes
+  (floats redrawn, token ids changed within the vocabulary), on a padded ``attention_mask`` (one row
+  right-padded, one left-padded; as a keyword where the example had none) and on input_ids 5 longer;
+  each case against eager autocast (eval, no_grad), run or skipped (why) on its own;
+- ``dropout``: train mode with the model's own dropout (the config's, rebuilt, for transformers;
+  the modules' own p for timm and diffusers; "no dropout in this model" where there is none), the
+  same seed right before each call: outputs and every parameter gradient;
+- ``export``: ``graphamp.export``'s program on the example and on other values,
+  ``graphamp.verify_export`` (eval, no_grad);
+- ``backend_autocast``: the backend called inside ``torch.autocast``. Both backend checks count the
+  calls of graphamp's backend (dynamo silently runs a frame eagerly past its recompile limit, which
+  they raise): "backend not called" is an error, never bitwise.
+
 A check ends ``bitwise``, ``differ`` (max abs diff, first differing output or gradient, dtype
-mismatches), ``error`` (type and first line) or ``skipped`` (why). A difference or error graphamp
-itself reported (a typed graphamp error, or a graphamp warning other than the emulated-precision
-one) is "reported"; any other is "silent". NaN positions count as equal when both sides have them.
+mismatches), ``error`` (type and first line) or ``skipped`` (why); a check of cases (inputs, export)
+is its worst case, with every case under ``cases``. NaN positions count as equal when both sides
+have them. "Reported" means graphamp said so itself: an error is reported when it is a typed
+graphamp error (``graphamp.GraphampError``), a difference when a graphamp warning (a
+``PolicyDriftWarning``, ...) named the differing output or gradient (``output.logits``, ``gradient of
+<parameter>``, the backend's ``tensor #i``). A blanket warning never counts; graphamp's warnings
+stay in the record for reading. Anything else is "silent".
+
+Each record keeps its CPU seconds (``cpu_s``: the worker's, and each check's) and its commit. A
+worker past its time limit has its Python stack dumped twice a few seconds apart (faulthandler on
+SIGUSR1) before it is killed: ``"kind": "hang"`` where it used little CPU in between or its stack
+did not change, ``"slow"`` otherwise, with its innermost frames under ``stack``; ``--rerun-slow
+LIMIT`` runs the slow ones again with a longer limit. ``--resume`` refuses a results file written at
+another commit (one table, one commit) unless ``--allow-mixed``.
 
     scripts/census                                   # everything, resumable: --resume
     scripts/census --only 'timm/|diffusers/' --jobs 1
+    scripts/census --resume --rerun-slow 600          # the slow time-outs again, 600 s each
     .venv/bin/python benchmarks/census.py --summary benchmarks/results/census.jsonl --markdown
 """
 
@@ -51,8 +79,11 @@ sys.path.insert(0, str(HERE))
 
 import census_models
 
-CHECKS = ("convert_bf16", "convert_fp16", "grads_bf16", "batch", "backend")
+CHECKS = ("convert_bf16", "convert_fp16", "grads_bf16", "batch", "backend", "inputs", "dropout", "export", "backend_autocast")
+# The checks that call the bf16 module convert_bf16 made (converted first when not asked for).
+NEEDS_AMP = ("batch", "inputs")
 DEFAULT_OUT = HERE / "results" / "census.jsonl"
+REPORTED_RULE = "named"
 
 
 # ---------------------------------------------------------------- comparing
@@ -104,9 +135,12 @@ def compare_outputs(got: Any, want: Any) -> dict[str, Any] | None:
     if [p for p, _ in g] != [p for p, _ in w] or type(got) is not type(want):
         return {"first": "structure", "detail": f"{type(got).__name__} {len(g)} leaves vs eager {type(want).__name__} {len(w)}", "max_abs_diff": None}
     dtypes = [f"{p}: {a.dtype} vs eager {b.dtype}" for (p, a), (_, b) in zip(g, w) if isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor) and a.dtype != b.dtype]
-    first, worst = None, 0.0
+    first, worst, names = None, 0.0, []
+    tensor_index = {p: i for i, p in enumerate(p for p, b in w if isinstance(b, torch.Tensor))}
     for (p, a), (_, b) in zip(g, w):
         if isinstance(b, torch.Tensor):
+            if not isinstance(a, torch.Tensor) or not _same(a, b) or a.dtype != b.dtype:
+                names += _output_names(p, tensor_index.get(p))
             if not isinstance(a, torch.Tensor) or not _same(a, b):
                 first = first or p
                 if isinstance(a, torch.Tensor):
@@ -117,11 +151,26 @@ def compare_outputs(got: Any, want: Any) -> dict[str, Any] | None:
             if inner is not None:
                 first = first or f"{p}.{inner['first']}"
                 worst = max(worst, inner.get("max_abs_diff") or 0.0)
+                names += _output_names(p, None)
         elif a != b:
             first = first or p
+            names += _output_names(p, None)
     if first is None and not dtypes:
         return None
-    return {"first": first or dtypes[0].split(":")[0], "max_abs_diff": worst, "dtype_mismatch": dtypes[:5]}
+    return {"first": first or dtypes[0].split(":")[0], "max_abs_diff": worst, "dtype_mismatch": dtypes[:5], "names": names[:30]}
+
+
+def _output_names(path: str, tensor_index: int | None) -> list[str]:
+    """How graphamp's messages name the output leaf ``path`` (a census leaf name): its self-check
+    and verify_export as ``output`` + the pytree key path (``output.logits``, ``output[0]``,
+    ``output leaf 2``); the backend's eager check as ``tensor #i`` among the tensors returned."""
+    if path == "output":
+        names = ["output"]
+    elif path.startswith("leaf "):
+        names = [f"output {path}"]
+    else:
+        names = [f"output{path}"]
+    return names + ([f"tensor #{tensor_index}"] if tensor_index is not None else [])
 
 
 def compare_grads(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any] | None:
@@ -131,7 +180,8 @@ def compare_grads(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any] |
     bad = [n for n in want if not _same(got[n], want[n])]
     if not bad:
         return None
-    return {"first": f"grad {bad[0]}", "max_abs_diff": max(_diff(got[n], want[n]) for n in bad), "differing": len(bad), "of": len(want)}
+    return {"first": f"grad {bad[0]}", "max_abs_diff": max(_diff(got[n], want[n]) for n in bad), "differing": len(bad), "of": len(want),
+            "names": [f"gradient of {n}" for n in bad[:30]]}
 
 
 def _loss(out: Any) -> Any:
@@ -189,17 +239,52 @@ def _error(e: BaseException) -> dict[str, Any]:
     }
 
 
-def _graphamp_warnings(caught: Iterable[warnings.WarningMessage]) -> list[str]:
-    return [f"{w.category.__name__}: {str(w.message).strip().splitlines()[0][:200]}" for w in caught if w.category.__module__.startswith("graphamp")]
+def _graphamp_warnings(caught: Iterable[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
+    return [w for w in caught if w.category.__module__.startswith("graphamp")]
 
 
-def _reports(ws: list[str]) -> bool:
-    # The emulated-precision warning is about speed; every other graphamp warning reports a problem.
-    return any(not w.startswith("EmulatedPrecisionWarning") for w in ws)
+def _short(w: warnings.WarningMessage) -> str:
+    text = str(w.message).strip()
+    return f"{w.category.__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def _names(message: str, names: Iterable[str]) -> str | None:
+    """The first of ``names`` (of the differing outputs and gradients, in graphamp's words: see
+    _output_names and compare_grads) that ``message`` names, else None."""
+    for name in names:
+        if name == "output":  # a single-tensor output: "output differs", "output comes back ..."
+            pattern = r"(?<![\w.])output (?:differs|comes back|is )"
+        else:
+            pattern = r"(?<![\w.])" + re.escape(name) + r"(?![\w.\[])"
+        if re.search(pattern, message):
+            return name
+    return None
+
+
+def _reported_by(caught: list[warnings.WarningMessage], names: Iterable[str]) -> str | None:
+    """A difference counts as reported only when a graphamp warning named what differs: the
+    warning's first line, else None. A blanket warning (one that names no differing output or
+    gradient) never counts; neither does the emulated-precision one, which names none."""
+    names = list(names)
+    for w in caught:
+        if _names(str(w.message), names):
+            return _short(w)
+    return None
 
 
 class EagerFailed(Exception):
     """Eager autocast itself cannot run this check (fp16 kernels, a backward): skipped, not graphamp's."""
+
+
+class Skipped(Exception):
+    """This check or case does not apply to the model (no attention_mask, no input_ids): skipped, why."""
+
+
+def _clone(inputs: Any) -> Any:
+    import torch
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), inputs)
 
 
 class Subject:
@@ -212,6 +297,8 @@ class Subject:
         self.model = built.model
         # Train mode must be deterministic for the gradient check: dropout modules the config did
         # not reach (timm's classifier drop_rate, hard-coded nn.Dropout) get p=0 too.
+        # The modules' own p is kept for the dropout check (timm's, diffusers').
+        self.dropout_p = {n: m.p for n, m in self.model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)}
         for m in self.model.modules():
             if isinstance(m, nn.modules.dropout._DropoutNd):
                 m.p = 0.0
@@ -229,15 +316,19 @@ class Subject:
         self.model.train(train)
         self.model.zero_grad(set_to_none=True)
 
-    def inputs(self, batch: int) -> tuple[tuple, dict]:
-        return self.built.make_inputs(batch)
+    def inputs(self, batch: int, seed: int = 0, seq: int | None = None) -> tuple[tuple, dict]:
+        """The inputs at ``batch``: seed 0 is the example, another seed other values at its shapes;
+        ``seq`` another length of input_ids (only where ``built.seq_input``)."""
+        if seq is not None:
+            return self.built.make_inputs(batch, seed=seed, seq=seq)
+        return self.built.make_inputs(batch, seed=seed) if seed else self.built.make_inputs(batch)
 
-    def run(self, call: Callable[..., Any], batch: int, *, grads: bool) -> tuple[Any, dict[str, Any] | None]:
+    def run(self, call: Callable[..., Any], batch: int | None, *, grads: bool, inputs: tuple | None = None) -> tuple[Any, dict[str, Any] | None]:
         import torch
 
         self.reset(train=grads)
         torch.manual_seed(0)  # any randomness left in the model draws the same on both sides
-        args, kwargs = self.inputs(batch)
+        args, kwargs = _clone(inputs) if inputs is not None else self.inputs(batch)
         if grads:
             out = call(*args, **kwargs)
             _loss(out).backward()
@@ -263,6 +354,19 @@ class Subject:
                 raise EagerFailed(f"eager autocast cannot run ({what}): {type(e).__name__}: {_first_line(e)[:200]}") from e
         return self._eager[key]
 
+    def eager_on(self, dtype: Any, inputs: tuple, what: str) -> Any:
+        """Eager autocast's outputs on ``inputs`` (eval, no_grad), not cached."""
+        import torch
+
+        def call(*a: Any, **k: Any) -> Any:
+            with torch.autocast("cpu", dtype=dtype):
+                return self.model(*a, **k)
+
+        try:
+            return self.run(call, None, grads=False, inputs=inputs)[0]
+        except Exception as e:
+            raise EagerFailed(f"eager autocast cannot run ({what}): {type(e).__name__}: {_first_line(e)[:200]}") from e
+
     def convert(self, dtype: Any, *, train: bool) -> Any:
         import graphamp
 
@@ -272,23 +376,51 @@ class Subject:
 
 
 def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    start = time.perf_counter()
+    """``fn``'s result, or its error or skip; ``reported`` as the module docstring says: an error
+    when graphamp raised it typed (a GraphampError), a difference when a graphamp warning named the
+    differing output or gradient. graphamp's warnings are kept for reading either way."""
+    start, cpu = time.perf_counter(), time.process_time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             result = fn()
-        except EagerFailed as e:
+        except (EagerFailed, Skipped) as e:
             result = {"status": "skipped", "reason": str(e)}
         except Exception as e:  # the guard: one failing check never stops the others
             result = _error(e)
     ws = _graphamp_warnings(caught)
     if ws:
-        result["warnings"] = sorted(set(ws))[:5]
-    if result["status"] == "differ":
-        result["reported"] = _reports(ws)
-    elif result["status"] == "error":
-        result["reported"] = result["reported"] or _reports(ws)
+        result["warnings"] = sorted({_short(w) for w in ws})[:5]
+    if result["status"] == "differ" and "reported" not in result:  # a check of cases judged each case
+        by = _reported_by(ws, result.get("names", ()))
+        result["reported"] = by is not None
+        if by:
+            result["reported_by"] = by
     result["seconds"] = round(time.perf_counter() - start, 2)
+    result["cpu_s"] = round(time.process_time() - cpu, 2)
+    return result
+
+
+# Which case of a check of cases stands for the check: a silent problem before a reported one.
+_CASE_ORDER = (("differ", False), ("error", False), ("differ", True), ("error", True))
+
+
+def _combine(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A check made of cases, each guarded on its own: the check is its worst case (a silent
+    difference, a silent error, a reported difference, a reported error), else bitwise where any
+    case ran, else skipped; every case's result is kept under ``cases``."""
+    for status, reported in _CASE_ORDER:
+        bad = [k for k, r in cases.items() if r["status"] == status and bool(r.get("reported")) == reported]
+        if bad:
+            top = {k: v for k, v in cases[bad[0]].items() if k not in ("seconds", "cpu_s", "warnings")}
+            result = {**top, "case": bad[0]}
+            break
+    else:
+        ran = [k for k, r in cases.items() if r["status"] != "skipped"]
+        result = {"status": "bitwise"} if ran else {"status": "skipped", "reason": "; ".join(f"{k}: {r.get('reason')}" for k, r in cases.items())}
+    result["ran"] = [k for k, r in cases.items() if r["status"] != "skipped"]
+    result["skipped"] = {k: r.get("reason") for k, r in cases.items() if r["status"] == "skipped"}
+    result["cases"] = cases
     return result
 
 
@@ -328,17 +460,221 @@ def check_batch(s: Subject, dtype: Any) -> dict[str, Any]:
     return {"status": "bitwise"}
 
 
-def check_backend(s: Subject, dtype: Any) -> dict[str, Any]:
+# Dynamo falls back to eager, silently, for a frame recompiled more often than this (each layer's
+# frame where a graph break splits a layer loop): raised for the census's backend checks only.
+RECOMPILE_LIMIT = 256
+
+
+def _counting_backend() -> tuple[Callable[..., Any], list[int]]:
+    """graphamp's registered dynamo backend (what ``backend="graphamp"`` looks up), counting its
+    calls: the number of nodes of each graph it compiled."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    real = lookup_backend("graphamp")
+    calls: list[int] = []
+
+    def graphamp_counted(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        calls.append(len(gm.graph.nodes))
+        return real(gm, example_inputs, **kwargs)
+
+    return graphamp_counted, calls
+
+
+def _backend_run(s: Subject, dtype: Any, *, ambient: bool) -> dict[str, Any]:
+    """``torch.compile(model, backend="graphamp", options={"inner": "eager"})`` on the example, called
+    inside ``torch.autocast`` when ``ambient``, against eager autocast. An error where graphamp's
+    backend was never called: dynamo ran the model eagerly, so equality would prove nothing."""
     import torch
 
     torch._dynamo.reset()
     ref, _ = s.eager(dtype)
-    compiled = torch.compile(s.model, backend="graphamp", options={"inner": "eager", "dtype": dtype})
+    backend, calls = _counting_backend()
+    compiled = torch.compile(s.model, backend=backend, options={"inner": "eager", "dtype": dtype})
+
+    def call(*a: Any, **k: Any) -> Any:
+        if ambient:
+            with torch.autocast("cpu", dtype=dtype):
+                return compiled(*a, **k)
+        return compiled(*a, **k)
+
+    limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
     try:
-        out, _ = s.run(compiled, census_models.BATCH, grads=False)
+        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(limit * 16, torch._dynamo.config.accumulated_recompile_limit)):
+            out, _ = s.run(call, census_models.BATCH, grads=False)
     finally:
         torch._dynamo.reset()
+    if not calls:
+        return {"status": "error", "type": "BackendNotCalled", "reported": False, "where": "",
+                "message": "backend not called: dynamo ran the model eagerly without calling graphamp's backend (a recompile limit, or every frame skipped)"}
+    return {**_verdict(compare_outputs(out, ref)), "graphs": len(calls), "graph_nodes": sum(calls)}
+
+
+def check_backend(s: Subject, dtype: Any) -> dict[str, Any]:
+    return _backend_run(s, dtype, ambient=False)
+
+
+def check_backend_autocast(s: Subject, dtype: Any) -> dict[str, Any]:
+    return _backend_run(s, dtype, ambient=True)
+
+
+def _against_eager(s: Subject, amp: Any, dtype: Any, inputs: tuple, what: str) -> dict[str, Any]:
+    ref = s.eager_on(dtype, inputs, what)
+    out, _ = s.run(amp, None, grads=False, inputs=inputs)
     return _verdict(compare_outputs(out, ref))
+
+
+PAD_SOURCES = ("input_ids", "input_values")
+
+
+def padded_mask_inputs(s: Subject) -> tuple[tuple, dict]:
+    """The example with a padded ``attention_mask``: row 0 right-padded, row 1 left-padded (a
+    quarter of the length each), as a keyword where the example had none. Skipped (raises) where
+    the model's forward takes no attention_mask or no sequence input gives it a length."""
+    import inspect
+
+    import torch
+
+    args, kwargs = s.inputs(census_models.BATCH)
+    params = inspect.signature(s.model.forward).parameters
+    if "attention_mask" not in params:
+        raise Skipped("forward takes no attention_mask")
+    given = kwargs.get("attention_mask")
+    if isinstance(given, torch.Tensor):
+        if given.dim() != 2:
+            raise Skipped(f"the example's attention_mask has shape {tuple(given.shape)}, not (batch, length)")
+        length, dtype = given.shape[1], given.dtype
+    else:
+        source = next((k for k in PAD_SOURCES if isinstance(kwargs.get(k), torch.Tensor)), None)
+        if source is None:
+            raise Skipped(f"no sequence input ({', '.join(PAD_SOURCES)}) gives the mask its length")
+        length, dtype = kwargs[source].shape[1], torch.long
+    if length < 2:
+        raise Skipped(f"sequence of length {length}")
+    mask = torch.ones(census_models.BATCH, length, dtype=dtype)
+    pad = max(1, length // 4)
+    mask[0, length - pad:] = 0  # right padding
+    mask[1, :pad] = 0  # left padding
+    return args, {**kwargs, "attention_mask": mask}
+
+
+def check_inputs(s: Subject, dtype: Any) -> dict[str, Any]:
+    """The bf16 module converted on the example, called on other inputs: other values at the same
+    shapes, a padded attention mask, a longer input_ids (+5); each case against eager autocast."""
+    amp = s.amps.get(dtype)
+    if amp is None:
+        return {"status": "skipped", "reason": "no module converted on the example"}
+    batch = census_models.BATCH
+
+    def values() -> dict[str, Any]:
+        return _against_eager(s, amp, dtype, s.inputs(batch, seed=1), "other values")
+
+    def padded_mask() -> dict[str, Any]:
+        return _against_eager(s, amp, dtype, padded_mask_inputs(s), "a padded attention mask")
+
+    def longer() -> dict[str, Any]:
+        if not s.built.seq_input:
+            raise Skipped("the model takes no input_ids as its main input")
+        return _against_eager(s, amp, dtype, s.inputs(batch, seq=census_models.SEQ + 5), f"input_ids of length {census_models.SEQ + 5}")
+
+    return _combine({"values": _guarded(values), "padded_mask": _guarded(padded_mask), "longer": _guarded(longer)})
+
+
+def _load_train(model: Any, state: dict[str, Any]) -> None:
+    import torch
+
+    with torch.no_grad():
+        for k, v in model.state_dict(keep_vars=True).items():
+            v.copy_(state[k])
+    model.train()
+    model.zero_grad(set_to_none=True)
+
+
+def _train_run(model: Any, state: dict[str, Any], call: Callable[..., Any], inputs: tuple) -> tuple[Any, dict[str, Any]]:
+    """``call`` on ``inputs`` in train mode from ``state``, seeded right before the call: outputs
+    and every parameter's gradient of the census's loss."""
+    import torch
+
+    _load_train(model, state)
+    args, kwargs = _clone(inputs)
+    torch.manual_seed(0)
+    out = call(*args, **kwargs)
+    _loss(out).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def check_dropout(s: Subject, dtype: Any) -> dict[str, Any]:
+    """Train mode with the model's own dropout (the other checks zero it), the same seed right
+    before each call: outputs and every parameter gradient against eager autocast."""
+    import graphamp
+    import torch
+    from torch import nn
+
+    if not any(p.requires_grad for p in s.model.parameters()):
+        return {"status": "skipped", "reason": "no trainable parameters"}
+    zeroed = None
+    if s.built.dropout_model is not None:  # transformers: the config's dropout, rebuilt
+        model, config_p = s.built.dropout_model()
+        keys = model.state_dict().keys()
+        if keys != s.state.keys():
+            return {"status": "skipped", "reason": f"the model built with dropout has other state ({len(keys ^ s.state.keys())} keys differ)"}
+    else:  # the modules' own p, as built
+        model, config_p = s.model, {}
+        zeroed = {n: m for n, m in model.named_modules() if n in s.dropout_p}
+        for n, m in zeroed.items():
+            m.p = s.dropout_p[n]
+    try:
+        module_p = {n: m.p for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0}
+        info: dict[str, Any] = {"modules": len(module_p), "p": sorted(set(module_p.values()))[:5], "config": config_p}
+        if not module_p and not config_p:
+            info["note"] = "no dropout in this model"
+        inputs = s.inputs(census_models.BATCH)
+
+        def eager(*a: Any, **k: Any) -> Any:
+            with torch.autocast("cpu", dtype=dtype):
+                return model(*a, **k)
+
+        try:
+            ref, ref_g = _train_run(model, s.state, eager, inputs)
+        except Exception as e:
+            raise EagerFailed(f"eager autocast cannot run (train mode with dropout): {type(e).__name__}: {_first_line(e)[:200]}") from e
+        if not ref_g:
+            return {"status": "skipped", "reason": "eager produced no gradients", "dropout": info}
+        _load_train(model, s.state)
+        amp = graphamp.convert(model, *_clone(inputs), dtype=dtype)
+        out, g = _train_run(model, s.state, amp, inputs)
+        return {**_verdict(compare_outputs(out, ref) or compare_grads(g, ref_g)), "dropout": info}
+    finally:
+        for m in (zeroed or {}).values():
+            m.p = 0.0
+        s.reset()
+
+
+def _verify_program(s: Subject, program: Any, dtype: Any, inputs: tuple) -> dict[str, Any]:
+    import graphamp
+
+    s.reset()
+    args, kwargs = _clone(inputs)
+    problem = graphamp.verify_export(program, s.model, args, kwargs, dtype=dtype)
+    if not problem:
+        return {"status": "bitwise"}
+    name = re.match(r"(output(?: leaf \d+)?\S*)", problem)
+    return {"status": "differ", "first": problem[:300], "max_abs_diff": None, "names": [name.group(1)] if name else []}
+
+
+def check_export(s: Subject, dtype: Any) -> dict[str, Any]:
+    """``graphamp.export``'s program on the example and on other values at its shapes,
+    ``graphamp.verify_export`` against eager autocast (eval, no_grad)."""
+    import graphamp
+
+    s.reset()
+    program = graphamp.export(s.model, *s.inputs(census_models.BATCH), dtype=dtype)
+    batch = census_models.BATCH
+    return _combine({
+        "example": _guarded(lambda: _verify_program(s, program, dtype, s.inputs(batch))),
+        "values": _guarded(lambda: _verify_program(s, program, dtype, s.inputs(batch, seed=1))),
+    })
 
 
 def build_subject(name: str, record: Record) -> Subject | None:
@@ -372,6 +708,10 @@ CHECK_FUNCS: dict[str, Callable[[Subject, Any], dict[str, Any]]] = {
     "grads_bf16": lambda s, _: check_grads(s, _bf16()),
     "batch": lambda s, _: check_batch(s, _bf16()),
     "backend": lambda s, _: check_backend(s, _bf16()),
+    "inputs": lambda s, _: check_inputs(s, _bf16()),
+    "dropout": lambda s, _: check_dropout(s, _bf16()),
+    "export": lambda s, _: check_export(s, _bf16()),
+    "backend_autocast": lambda s, _: check_backend_autocast(s, _bf16()),
 }
 
 
@@ -397,9 +737,9 @@ def run_model(name: str, checks: tuple[str, ...], path: Path | None = None, *, r
     record.save()
     s = build_subject(name, record)
     if s is not None:
-        # The batch check reuses the bf16 module; convert it first even when only batch is asked for.
+        # The batch and inputs checks reuse the bf16 module; convert it first even when only they are asked for.
         order = [c for c in CHECKS if c in checks]
-        if "batch" in order and "convert_bf16" not in order:
+        if any(c in order for c in NEEDS_AMP) and "convert_bf16" not in order:
             order.insert(0, "convert_bf16")
         for check in order:
             record.data["current"] = check
@@ -446,6 +786,8 @@ def header() -> dict[str, Any]:
         "cpu_flags": sorted(flags),
         "native": {"bf16": cap.native(torch.bfloat16), "fp16": cap.native(torch.float16)},
         "threads": torch.get_num_threads(),
+        # What "reported" means in this file's records (the module docstring): "named" since issue 38.
+        "reported_rule": REPORTED_RULE,
     }
 
 
@@ -517,28 +859,146 @@ def merge_results(out: Path, newer: Path) -> int:
     return changed
 
 
-def _worker_command(name: str, checks: tuple[str, ...], result: Path, threads: int) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--checks", ",".join(checks), "--result", str(result), "--threads", str(threads)]
+def _worker_command(name: str, checks: tuple[str, ...], result: Path, threads: int, stack_file: Path | None = None) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--checks", ",".join(checks), "--result", str(result), "--threads", str(threads)]
+    return cmd + (["--stack-file", str(stack_file)] if stack_file else [])
+
+
+# ---------------------------------------------------------------- time-outs explained
+
+# The worker writes this line to its stack file once SIGUSR1 dumps its stack there (before that,
+# SIGUSR1's default action would kill it).
+STACK_READY = "census: stack dumps on SIGUSR1"
+# Seconds between the two stacks of a timed-out worker, and the share of one core it must have
+# used meanwhile to count as working ("slow") rather than stuck ("hang").
+SAMPLE_SECONDS = 4.0
+BUSY_SHARE = 0.1
+STACK_LINES = 40
+
+
+def listen_for_stack_dumps(path: str | Path) -> Any:
+    """In a worker: SIGUSR1 dumps every thread's Python stack to ``path`` (faulthandler), which
+    works in C code too; crashes dump to stderr. Returns the open file (keep it alive)."""
+    import faulthandler
+
+    faulthandler.enable()
+    f = open(path, "a")  # noqa: SIM115 - open for the process's life, as faulthandler needs
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+    f.write(STACK_READY + "\n")
+    f.flush()
+    return f
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of ``pid`` and its waited-for children (/proc/<pid>/stat), None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on
+    ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _dump_stack(pid: int, path: Path, wait: float = 2.0) -> str:
+    """Ask the worker for its stacks (SIGUSR1) and return what it wrote; "" if nothing came."""
+    before = path.stat().st_size if path.exists() else 0
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return ""
+    deadline, size = time.monotonic() + wait, before
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = path.stat().st_size if path.exists() else 0
+        if now > before and now == size:  # written, and no longer growing
+            break
+        size = now
+    with open(path, errors="replace") as f:
+        f.seek(before)
+        return f.read()
+
+
+def _stack_key(dump: str) -> list[str]:
+    # The frames only: "File ..., line N in f" lines (thread headers name addresses that stay put).
+    return [line.strip() for line in dump.splitlines() if line.strip().startswith("File ")]
+
+
+def diagnose_timeout(pid: int, stack_file: Path | None, sample: float = SAMPLE_SECONDS) -> dict[str, Any]:
+    """Why a worker past its time limit is still running: two stack dumps ``sample`` seconds apart
+    and its CPU time in between. "hang" when it used little CPU meanwhile or its stack did not
+    change; "slow" otherwise (it is working, and a longer limit may let it finish)."""
+    ready = stack_file is not None and stack_file.exists() and STACK_READY in stack_file.read_text(errors="replace")[:200]
+    cpu0, t0 = proc_cpu_seconds(pid), time.monotonic()
+    first = _dump_stack(pid, stack_file) if ready else ""
+    time.sleep(max(0.0, sample - (time.monotonic() - t0)))
+    cpu1, t1 = proc_cpu_seconds(pid), time.monotonic()
+    second = _dump_stack(pid, stack_file) if ready else ""
+    try:  # frozen where the stack was taken: the record read next is the one the stack belongs to
+        os.killpg(pid, signal.SIGSTOP)
+    except (ProcessLookupError, PermissionError):
+        pass
+    busy = (cpu1 - cpu0) / (t1 - t0) if cpu0 is not None and cpu1 is not None else None
+    same = bool(first) and _stack_key(first) == _stack_key(second)
+    kind = "hang" if (busy is not None and busy < BUSY_SHARE) or same else "slow"
+    lines = second.strip().splitlines() or first.strip().splitlines()
+    return {
+        "kind": kind,
+        "cpu_share": None if busy is None else round(busy, 2),  # of one core, over the sample
+        "stack_changed": None if not first else not same,
+        # faulthandler prints the most recent call first: these are the innermost frames.
+        "stack": lines[:STACK_LINES] if lines else ["no stack: the worker had not registered its SIGUSR1 dump yet"],
+    }
+
+
+def run_limited(cmd: list[str], timeout: float, log: Path, stack_file: Path | None = None, sample: float = SAMPLE_SECONDS) -> dict[str, Any]:
+    """Run ``cmd`` (its own session, output to ``log``) for at most ``timeout`` seconds.
+
+    Returns ``{"code": exit code or None, "cpu_s": its CPU seconds (from wait4, children included)}``,
+    plus ``diagnose_timeout``'s findings where it timed out (then it is killed, group and all).
+    """
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline, pause, found = time.monotonic() + timeout, 0.02, None
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() >= deadline:
+            found = diagnose_timeout(proc.pid, stack_file, sample)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    result: dict[str, Any] = {"code": None if found else proc.returncode, "cpu_s": round(usage.ru_utime + usage.ru_stime, 1)}
+    if found:
+        result.update(found)
+    return result
 
 
 def run_one(name: str, checks: tuple[str, ...], timeout: float, threads: int) -> dict[str, Any]:
-    """``name`` in a subprocess with a time limit; a killed or crashed worker keeps its finished checks."""
+    """``name`` in a subprocess with a time limit; a killed or crashed worker keeps its finished
+    checks. A timed-out worker's record says whether it hung or was slow (``diagnose_timeout``)."""
     with tempfile.TemporaryDirectory(prefix="census-") as tmp:
         result = Path(tmp) / "result.json"
         log = Path(tmp) / "log.txt"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(_worker_command(name, checks, result, threads), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                code = None
+        stacks = Path(tmp) / "stacks.txt"
+        commit = _git_commit()
+        ran = run_limited(_worker_command(name, checks, result, threads, stacks), timeout, log, stacks)
+        code = ran["code"]
         data = json.loads(result.read_text()) if result.exists() else {"model": name, "family": name.split("/")[0], "checks": {}}
+        data["cpu_s"] = ran["cpu_s"]  # the worker's CPU seconds, all threads (its checks': cpu_s each)
+        data["commit"] = commit
         if code is None:
             data["status"] = "timeout"
             data["timeout_in"] = data.pop("current", None)
             data["seconds"] = timeout
+            data.update({k: ran[k] for k in ("kind", "cpu_share", "stack_changed", "stack")})
         elif data.get("status") != "done":
             data["status"] = "crash"
             data["crash_in"] = data.pop("current", None)
@@ -597,28 +1057,57 @@ def select(names: list[str], only: str | None, shard: str | None, sample: float 
     return names
 
 
+def check_resumable(head: dict[str, Any] | None, path: Path, allow_mixed: bool) -> None:
+    """Exit unless the results file ``path`` (header ``head``) was written at this commit: one
+    table, one commit. ``allow_mixed`` resumes anyway (each record keeps its own ``commit``)."""
+    here = _git_commit()
+    there = (head or {}).get("graphamp_commit")
+    if head is not None and there != here and not allow_mixed:
+        sys.exit(f"{path} was written at graphamp commit {there}, this is {here}: the table must come from one commit. "
+                 "Start another --out, or pass --allow-mixed to append anyway (each record keeps its commit).")
+
+
+def _run_models(names: list[str], checks: tuple[str, ...], timeout: float, jobs: int, threads: int, out: Path) -> None:
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures = {pool.submit(run_one, n, checks, timeout, threads): n for n in names}
+        for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+            data = fut.result()
+            with open(out, "a") as f:
+                f.write(json.dumps(data) + "\n")
+            print(f"[{i}/{len(names)}] {data['model']}: {_one_line(data)}", flush=True)
+
+
+def slow_timeouts(records: dict[str, dict[str, Any]], limit: float) -> list[str]:
+    """The models whose last record timed out while working ("slow"), under a limit below ``limit``."""
+    return [n for n, r in records.items() if r.get("status") == "timeout" and r.get("kind") == "slow" and (r.get("seconds") or 0) < limit]
+
+
 def run_census(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _, done = read_results(out) if args.resume else (None, {})
-    if args.retry_unfinished:
-        done = {n: r for n, r in done.items() if r.get("status") == "done"}
     if not args.resume and out.exists():
         sys.exit(f"{out} exists: pass --resume to continue it, or --out another file")
-    names = [n for n in select(census_models.population(), args.only, args.shard, args.sample, args.seed) if n not in done]
+    head, done = read_results(out) if args.resume else (None, {})
+    if args.resume:
+        check_resumable(head, out, args.allow_mixed)
+    if args.retry_unfinished:
+        done = {n: r for n, r in done.items() if r.get("status") == "done"}
+    selected = select(census_models.population(), args.only, args.shard, args.sample, args.seed)
+    names = [n for n in selected if n not in done]
     checks = tuple(args.checks.split(","))
     if not out.exists() or out.stat().st_size == 0:
         with open(out, "a") as f:
             f.write(json.dumps(header()) + "\n")
     print(f"census: {len(names)} models to run ({len(done)} already in {out}), checks {','.join(checks)}, {args.jobs} job(s), {args.timeout:.0f} s each", flush=True)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(run_one, n, checks, args.timeout, threads): n for n in names}
-        for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
-            data = fut.result()
-            with open(out, "a") as f:
-                f.write(json.dumps(data) + "\n")
-            print(f"[{i}/{len(names)}] {data['model']}: {_one_line(data)}", flush=True)
+    _run_models(names, checks, args.timeout, args.jobs, threads, out)
+    if args.rerun_slow:
+        _, records = read_results(out)
+        wanted = set(selected)
+        slow = [n for n in slow_timeouts(records, args.rerun_slow) if n in wanted]
+        print(f"census: {len(slow)} slow time-outs to run again with {args.rerun_slow:.0f} s each", flush=True)
+        # The re-run's record comes later in the file, so it is the model's record (read_results).
+        _run_models(slow, tuple(records[n].get("requested") or checks), args.rerun_slow, args.jobs, threads, out)
     print_summary(out, markdown=args.markdown)
 
 
@@ -659,12 +1148,14 @@ def normalize(message: str) -> str:
 
 def cause(check: str, result: dict[str, Any] | None, data: dict[str, Any]) -> str:
     if result is None:
-        return f"{data.get('status', 'unfinished')} in {data.get('timeout_in') or data.get('crash_in') or '?'}"
+        how = f" ({data['kind']})" if data.get("status") == "timeout" and data.get("kind") else ""
+        return f"{data.get('status', 'unfinished')}{how} in {data.get('timeout_in') or data.get('crash_in') or '?'}"
     if result["status"] == "error":
         return f"{result['type']}: {normalize(result['message'])}"
     if result["status"] == "differ":
         what = "dtype" if result.get("dtype_mismatch") else ("grad" if str(result.get("first", "")).startswith("grad") else "value")
-        return f"differ ({what}){' after a graphamp warning' if result.get('reported') else ''}"
+        where = f" on {result['case']}" if result.get("case") else ""
+        return f"differ ({what}){where}{', named by a graphamp warning' if result.get('reported') else ''}"
     return f"skipped: {normalize(result.get('reason', ''))}"
 
 
@@ -684,8 +1175,16 @@ def summarize(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if k not in ("bitwise",):
                 causes[cause(check, res, r)][check].append(n)
         table[check] = counts
+    silent = {n for n, r in runs.items() if any(kind(res).endswith("-silent") for res in r.get("checks", {}).values())}
+    reported = {n for n, r in runs.items() if any(kind(res).endswith("-reported") for res in r.get("checks", {}).values())}
+    timeouts = Counter(r.get("kind") or "unexplained" for r in records.values() if r.get("status") == "timeout")
     return {"models": len(records), "eager_runs": len(runs), "eager_cannot": len(cannot), "table": table, "causes": causes,
-            "cannot": Counter(normalize(r.get("eager", {}).get("message") or r.get("status", "?"))[:90] for r in cannot.values())}
+            "cannot": Counter(normalize(r.get("eager", {}).get("message") or r.get("status", "?"))[:90] for r in cannot.values()),
+            "silent_models": sorted(silent), "reported_models": sorted(reported), "timeouts": timeouts}
+
+
+def _cell(n: int, total: int) -> str:
+    return f"{n} ({100 * n / total:.0f}%)" if n and total else str(n)
 
 
 def print_summary(path: Path, *, markdown: bool = False, file: Any = None) -> None:
@@ -701,12 +1200,20 @@ def print_summary(path: Path, *, markdown: bool = False, file: Any = None) -> No
     fam = Counter(r.get("family") for r in records.values())
     print(f"{s['models']} models ({', '.join(f'{k} {v}' for k, v in sorted(fam.items()))}); eager autocast runs on {s['eager_runs']}, "
           f"cannot run on {s['eager_cannot']} (counted apart)", file=file)
+    if head is not None and head.get("reported_rule") != REPORTED_RULE:
+        print("(this file predates the named rule: its \"reported\" counts any graphamp warning, and an error after one)", file=file)
     if markdown:
         print(markdown_table(s), file=file)
     else:
-        print(f"{'check':14s} " + " ".join(f"{k:>15s}" for k in KINDS), file=file)
+        n = s["eager_runs"]
+        print(f"{'check':16s} " + " ".join(f"{k:>16s}" for k in KINDS) + f"   (% of the {n} models eager runs)", file=file)
         for check, counts in s["table"].items():
-            print(f"{check:14s} " + " ".join(f"{counts.get(k, 0):>15d}" for k in KINDS), file=file)
+            print(f"{check:16s} " + " ".join(f"{_cell(counts.get(k, 0), n):>16s}" for k in KINDS), file=file)
+    print(f"\nmodels with a silent difference or error in any check: {len(s['silent_models'])}; with one graphamp reported: "
+          f"{len(s['reported_models'])} (reported: a typed graphamp error, or a graphamp warning naming what differs)", file=file)
+    if s["timeouts"]:
+        print("time-outs: " + ", ".join(f"{k} {v}" for k, v in sorted(s["timeouts"].items())) +
+              " (hang: little CPU or the same stack twice; slow: working, --rerun-slow LIMIT runs them again)", file=file)
     print("\nfailures by cause (check: models):", file=file)
     for c, per_check in sorted(s["causes"].items(), key=lambda kv: -sum(len(v) for v in kv[1].values())):
         if c.startswith("skipped"):
@@ -723,10 +1230,16 @@ def print_summary(path: Path, *, markdown: bool = False, file: Any = None) -> No
 
 
 def markdown_table(s: dict[str, Any]) -> str:
-    lines = [f"| of {s['eager_runs']} models eager runs | bitwise | differ, silent | differ, reported | error, silent | error, reported | skipped | timeout/crash |",
+    n = s["eager_runs"]
+    lines = [f"| of {n} models eager runs (% of them) | bitwise | differ, silent | differ, reported | error, silent | error, reported | skipped | timeout/crash |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for check, counts in s["table"].items():
-        lines.append(f"| {check} | " + " | ".join(str(counts.get(k, 0)) for k in KINDS) + " |")
+        lines.append(f"| {check} | " + " | ".join(_cell(counts.get(k, 0), n) for k in KINDS) + " |")
+    lines.append("")
+    lines.append(f"Silent (differ or error graphamp did not report): {len(s['silent_models'])} models; reported "
+                 f"(a typed graphamp error, or a graphamp warning naming the differing output or gradient): {len(s['reported_models'])} models.")
+    if s["timeouts"]:
+        lines.append("Time-outs: " + ", ".join(f"{k} {v}" for k, v in sorted(s["timeouts"].items())) + ".")
     return "\n".join(lines)
 
 
@@ -754,6 +1267,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--in-process", action="store_true", help="run the models in this process, one after another (CI sample)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--stack-file", help=argparse.SUPPRESS)
+    p.add_argument("--rerun-slow", type=float, metavar="LIMIT", help="then run again, with this time limit (s), the models that timed out while working (kind slow)")
+    p.add_argument("--allow-mixed", action="store_true", help="with --resume, append to a results file written at another graphamp commit")
     args = p.parse_args(argv)
     bad = set(args.checks.split(",")) - set(CHECKS)
     if bad:
@@ -791,6 +1307,8 @@ def _plan(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
 
 
 def _worker(args: argparse.Namespace) -> None:
+    if args.stack_file:
+        args.stack_fd = listen_for_stack_dumps(args.stack_file)
     import torch
 
     if args.threads:

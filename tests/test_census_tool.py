@@ -1,10 +1,14 @@
-"""benchmarks/census.py's own bookkeeping: merging a re-run into the population's results; the CI sample's lists."""
+"""benchmarks/census.py's own bookkeeping: merging a re-run into the population's results; the CI
+sample's lists; what counts as reported; time-outs explained (hang or slow); resuming at one commit;
+the checks beyond convert's self-check, on a tiny model (no census site, no transformers build)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -50,3 +54,201 @@ def test_every_known_cause_is_a_check_the_ci_sample_runs() -> None:
     stale = [key for key in census_sample.KNOWN if key[1] not in census_sample.SAMPLE.get(key[0], ())]
     assert not stale, f"KNOWN lists checks the CI sample does not run: {stale}"
     assert len(census_sample.CONVERTING) >= 30, "the CI sample keeps at least 30 models beside one per cause"
+
+
+# ---------------------------------------------------------------- reported means named
+
+
+def _differ(names: list[str]) -> dict:
+    return {"status": "differ", "first": "['logits']", "max_abs_diff": 0.5, "names": names}
+
+
+def test_a_difference_counts_as_reported_only_when_a_graphamp_warning_names_it() -> None:
+    import warnings
+
+    import graphamp
+    from graphamp.errors import EagerPathWarning
+
+    names = census._output_names("['logits']", 0)
+    assert names == ["output['logits']", "tensor #0"]
+
+    def blanket() -> dict:
+        warnings.warn("dynamo broke the model into several graphs: values may differ from eager autocast's", EagerPathWarning)
+        return _differ(names)
+
+    def other_output() -> dict:
+        warnings.warn("the converted M differs from eager torch.autocast(cpu, torch.bfloat16) on the example: output['hidden'] differs (1)", graphamp.PolicyDriftWarning)
+        return _differ(names)
+
+    def named() -> dict:
+        warnings.warn("graphamp.convert's self-check: the converted M differs from eager torch.autocast(cpu, torch.bfloat16) on the example: "
+                      "under torch.no_grad, output['logits'] differs (max |diff| 0.5).", graphamp.PolicyDriftWarning)
+        return _differ(names)
+
+    def not_graphamps() -> dict:
+        warnings.warn("output['logits'] differs", UserWarning)
+        return _differ(names)
+
+    for fn in (blanket, other_output, not_graphamps):
+        result = census._guarded(fn)
+        assert result["status"] == "differ" and result["reported"] is False, fn.__name__
+    assert census._guarded(blanket)["warnings"] == ["EagerPathWarning: dynamo broke the model into several graphs: values may differ from eager autocast's"]
+    result = census._guarded(named)
+    assert result["reported"] is True and result["reported_by"].startswith("PolicyDriftWarning: graphamp.convert's self-check")
+
+    # A gradient is named as graphamp's self-check names it; the single output of a plain module too.
+    grads = census.compare_grads({"w": torch_tensor([1.0]), "b": torch_tensor([1.0])}, {"w": torch_tensor([2.0]), "b": torch_tensor([1.0])})
+    assert grads["names"] == ["gradient of w"]
+    assert census._names("on the example: gradient of w differs (max |diff| 1)", grads["names"]) == "gradient of w"
+    assert census._names("on the example: gradient of w2 differs", grads["names"]) is None
+    out = census.compare_outputs(torch_tensor([1.0]), torch_tensor([2.0]))
+    assert out["names"] == ["output", "tensor #0"]
+    assert census._names("the example: output differs (max |diff| 1)", out["names"]) == "output"
+    assert census._names("the output of this model may differ", out["names"]) is None
+
+
+def test_an_error_counts_as_reported_only_when_graphamp_raised_it_typed() -> None:
+    import warnings
+
+    import graphamp
+
+    def untyped() -> dict:
+        warnings.warn("output differs", graphamp.PolicyDriftWarning)  # a warning does not make an error reported
+        raise RuntimeError("mat1 and mat2 must have the same dtype")
+
+    def typed() -> dict:
+        raise graphamp.PolicyDriftError("the converted M differs from eager torch.autocast")
+
+    first, second = census._guarded(untyped), census._guarded(typed)
+    assert (first["status"], first["type"], first["reported"]) == ("error", "RuntimeError", False)
+    assert (second["status"], second["type"], second["reported"]) == ("error", "PolicyDriftError", True)
+    # A check of cases stands for its worst case: a silent difference before a reported error.
+    combined = census._combine({"a": second, "b": {**_differ([]), "reported": False}, "c": {"status": "skipped", "reason": "no input_ids"}})
+    assert (combined["status"], combined["case"], combined["reported"]) == ("differ", "b", False)
+    assert combined["ran"] == ["a", "b"] and combined["skipped"] == {"c": "no input_ids"}
+
+
+def torch_tensor(values: list[float]):
+    import torch
+
+    return torch.tensor(values)
+
+
+# ---------------------------------------------------------------- time-outs explained
+
+_WORKER = """
+import faulthandler, signal, sys, time
+f = open(sys.argv[1], "a")
+faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+f.write(sys.argv[2] + "\\n"); f.flush()
+def spin(depth):  # busy, one frame deeper every 0.1 s: two stacks apart differ
+    t = time.time()
+    while time.time() - t < 0.1:
+        pass
+    spin(depth + 1)
+if sys.argv[3] == "spin":
+    spin(0)
+time.sleep(60)
+"""
+
+
+def test_a_timed_out_worker_is_a_hang_when_it_sleeps_and_slow_when_it_works(tmp_path: Path) -> None:
+    found = {}
+    for how in ("sleep", "spin"):
+        stacks = tmp_path / f"{how}.stacks"
+        cmd = [sys.executable, "-c", _WORKER, str(stacks), census.STACK_READY, how]
+        found[how] = census.run_limited(cmd, 1.0, tmp_path / f"{how}.log", stacks, sample=1.5)
+    sleep, spin = found["sleep"], found["spin"]
+    assert sleep["code"] is None and sleep["kind"] == "hang", sleep
+    assert sleep["stack_changed"] is False and any("time.sleep" in line or "<module>" in line for line in sleep["stack"]), sleep
+    assert spin["code"] is None and spin["kind"] == "slow", spin
+    assert spin["stack_changed"] is True and spin["cpu_share"] >= census.BUSY_SHARE and spin["cpu_s"] > 0.5, spin
+    assert any("in spin" in line for line in spin["stack"]) and len(spin["stack"]) <= census.STACK_LINES
+    # A worker that finishes in time: its exit code and CPU time, no diagnosis.
+    done = census.run_limited([sys.executable, "-c", "pass"], 30, tmp_path / "done.log")
+    assert done["code"] == 0 and "kind" not in done
+
+
+def test_slow_time_outs_are_picked_for_a_rerun() -> None:
+    records = {
+        "hf/a": {"status": "timeout", "kind": "slow", "seconds": 120},
+        "hf/b": {"status": "timeout", "kind": "hang", "seconds": 120},
+        "hf/c": {"status": "timeout", "kind": "slow", "seconds": 600},
+        "hf/d": {"status": "done"},
+    }
+    assert census.slow_timeouts(records, 600) == ["hf/a"]
+    s = census.summarize({n: {**r, "eager": {"status": "ok"}} for n, r in records.items()})
+    assert s["timeouts"] == {"slow": 2, "hang": 1}
+
+
+def test_resume_refuses_a_results_file_of_another_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "census.jsonl"
+    _write(out, {"date": "d0", "graphamp_commit": "aaa"}, [])
+    monkeypatch.setattr(census, "_git_commit", lambda: "bbb")
+    monkeypatch.setattr(census.census_models, "population", lambda: [])
+    with pytest.raises(SystemExit, match="written at graphamp commit aaa, this is bbb"):
+        census.main(["--out", str(out), "--resume"])
+    census.main(["--out", str(out), "--resume", "--allow-mixed"])  # nothing to run; the summary
+    monkeypatch.setattr(census, "_git_commit", lambda: "aaa")
+    census.main(["--out", str(out), "--resume"])
+    with pytest.raises(SystemExit, match="exists"):
+        census.main(["--out", str(out)])
+
+
+# ---------------------------------------------------------------- the new checks, on a tiny model
+
+
+def _tiny_built(name: str, attempt: int = 0):
+    import torch
+    from torch import nn
+
+    class Tiny(nn.Module):
+        main_input_name = "input_ids"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.drop = nn.Dropout(0.25)
+            self.proj = nn.Linear(16, 16)
+            self.norm = nn.LayerNorm(16)
+
+        def forward(self, input_ids, attention_mask=None):
+            h = self.proj(self.drop(self.embed(input_ids)))
+            if attention_mask is not None:
+                h = h * attention_mask[..., None].to(h.dtype)
+            return {"hidden": self.norm(h), "pooled": h.sum(1).softmax(-1)}
+
+    def make(b: int, seed: int = 0, seq: int | None = None):
+        g = torch.Generator().manual_seed(1000 * b + census.census_models.SEED_STRIDE * seed)
+        return (), {"input_ids": torch.randint(0, 50, (b, seq or 8), generator=g)}
+
+    torch.manual_seed(0)
+    return census.census_models.Built(name, Tiny().eval(), make, "Tiny", "tiny", seq_input=True)
+
+
+def _tiny_population(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(census.census_models, "build", _tiny_built)
+    monkeypatch.setattr(census.census_models, "attempts", lambda name: 1)
+    # timm, diffusers and the torchvision workaround stay out of the test process.
+    monkeypatch.setattr(census.census_models, "enable_census_site", lambda: False)
+
+
+def test_the_new_checks_run_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    _tiny_population(monkeypatch)
+    data = census.run_model("test/tiny", ("inputs", "dropout", "export", "backend_autocast"))
+    checks = data["checks"]
+    assert set(checks) == {"inputs", "dropout", "export", "backend_autocast"}  # convert_bf16 ran, unrecorded
+    inputs = checks["inputs"]
+    assert inputs["status"] == "bitwise" and inputs["ran"] == ["values", "padded_mask", "longer"], inputs
+    assert checks["dropout"]["status"] == "bitwise" and checks["dropout"]["dropout"] == {"modules": 1, "p": [0.25], "config": {}}
+    assert checks["export"]["status"] == "bitwise" and checks["export"]["ran"] == ["example", "values"], checks["export"]
+    assert checks["backend_autocast"]["status"] == "bitwise" and checks["backend_autocast"]["graphs"] >= 1
+    assert all("cpu_s" in r for r in checks.values())
+
+
+def test_a_backend_dynamo_never_called_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _tiny_population(monkeypatch)
+    monkeypatch.setattr(census, "_counting_backend", lambda: ("eager", []))  # dynamo's own eager backend
+    data = census.run_model("test/tiny", ("backend_autocast",))
+    result = data["checks"]["backend_autocast"]
+    assert (result["status"], result["type"], result["reported"]) == ("error", "BackendNotCalled", False), result
