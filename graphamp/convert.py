@@ -19,7 +19,7 @@ from graphamp.capture.values import capture_by_values, guard_eager_reads
 from graphamp.capture.dynamo import dynamo_fallback, needs_graph_breaks
 from graphamp.config import Config
 from graphamp.eager import rng_kept
-from graphamp.emit import ALL_ONES_AS_NONE, AmpModule, emit, is_all_ones
+from graphamp.emit import ALL_ONES_AS_NONE, ALL_ONES_PROVEN, AmpModule, all_ones_key, emit, is_all_ones
 from graphamp.errors import CaptureError, EagerPathWarning, PolicyDriftError
 from graphamp.passes import build_pipeline, run_passes
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
@@ -235,6 +235,8 @@ def _all_ones_masks_dropped(model: nn.Module, args: tuple, kwargs: dict, spec: A
     if not isinstance(amp, AmpModule):
         raise drift
     amp.__dict__[ALL_ONES_AS_NONE] = names
+    # What the self-check below proves, for these masks' shapes only (emit.AmpModule._all_ones_dropped).
+    amp.__dict__[ALL_ONES_PROVEN] = {all_ones_key(kwargs, names, model.training): True}
     try:
         amp.meta[SELF_CHECK_META] = _self_check(amp, model, args, kwargs, spec, on_drift="raise", diagnose=False)
     except PolicyDriftError:

@@ -52,6 +52,11 @@ _MODES = "_graphamp_modes"  # the modules converted for another training mode, o
 # Keyword inputs passed as None when all ones: convert found eager's program for an all-ones mask is
 # the one it runs without the mask (the model drops it by value), and checked it (convert.py).
 ALL_ONES_AS_NONE = "_graphamp_all_ones_as_none"
+# {(training, ((name, mask shape), ...)): bool}: whether eager autocast was seen to run the same
+# program for these all-ones masks as without them. The example's entry is proven by convert's
+# self-check; every other is checked once, on first use, by running eager both ways.
+ALL_ONES_PROVEN = "_graphamp_all_ones_proven"
+MAX_ALL_ONES_PROVEN = 64  # past this many mask shapes, all-ones masks are passed as given
 _MODEL_STATE = "_graphamp_model_state"  # a ModelState: what the model held at conversion
 # How many other shape classes one converted module converts for before it refuses: each holds a
 # graph and costs a conversion (seconds), so inputs of ever new shapes should be padded instead.
@@ -130,6 +135,17 @@ def is_all_ones(value: Any) -> bool:
         isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
         and value.numel() > 0 and bool((value == 1).all())
     )
+
+
+def all_ones_key(kwargs: dict, names: tuple[str, ...], training: bool) -> tuple | None:
+    """The :data:`ALL_ONES_PROVEN` key of these keyword inputs: the training mode and the shapes of
+    the all-ones masks among ``names``; None where none is all ones.
+
+    >>> all_ones_key({"attention_mask": torch.ones(2, 5, dtype=torch.long)}, ("attention_mask",), False)
+    (False, (('attention_mask', (2, 5)),))
+    """
+    ones = tuple((k, tuple(kwargs[k].shape)) for k in names if is_all_ones(kwargs.get(k)))
+    return (training, ones) if ones else None
 
 
 def all_ones_as_none(kwargs: dict, names: tuple[str, ...] | None) -> dict:
@@ -225,8 +241,48 @@ class AmpModule(GraphModule):
         if torch.compiler.is_compiling():
             return self._call_graph(args, kwargs)
         self._check_parameters()
-        kwargs = all_ones_as_none(kwargs, self.__dict__.get(ALL_ONES_AS_NONE))
+        names = self.__dict__.get(ALL_ONES_AS_NONE)
+        if names:
+            kwargs = self._all_ones_dropped(args, kwargs, names)
         return self._for_mode(args, kwargs)._call_classes(args, kwargs)
+
+    def _all_ones_dropped(self, args: tuple, kwargs: dict, names: tuple[str, ...]) -> dict:
+        """``kwargs`` with its all-ones masks among ``names`` passed as None where eager autocast
+        runs the same program for them as without them, at these masks' shapes and this training
+        mode: proven on the example by convert's self-check, and for any other shape checked once
+        on first use, running eager both ways. Elsewhere the masks are passed as given, and the
+        call gets a graph converted with them (checked in turn): the example's finding is never
+        extrapolated to inputs it was not seen to hold for."""
+        key = all_ones_key(kwargs, names, self.training)
+        if key is None:
+            return kwargs
+        proven = self.__dict__.setdefault(ALL_ONES_PROVEN, {})
+        verdict = proven.get(key)
+        if verdict is None:
+            model = self.__dict__.get(_MODEL)
+            if model is None or len(proven) >= MAX_ALL_ONES_PROVEN:
+                return kwargs
+            with _reconversion_lock(self):
+                verdict = proven.get(key)
+                if verdict is None:
+                    verdict = proven[key] = self._eager_drops(model, args, kwargs, tuple(k for k, _ in key[1]))
+        return all_ones_as_none(kwargs, names) if verdict else kwargs
+
+    def _eager_drops(self, model: nn.Module, args: tuple, kwargs: dict, names: tuple[str, ...]) -> bool:
+        """Whether eager autocast gives the same outputs (and, in training, gradients) with these
+        all-ones masks as with None for them."""
+        from graphamp.self_check import eager_difference_without  # self_check imports emit
+
+        info = self.graphamp_info
+        grads = self.training and not info.inference and torch.is_grad_enabled()
+        with _training_as(model, self.training):
+            problem = eager_difference_without(model, args, kwargs, names, info.spec(), grads=grads)
+        if problem:
+            _log.info(
+                "graphamp: %s keeps an all-ones %s at these shapes (%s): converting with it", type(model).__name__,
+                ", ".join(names), problem,
+            )
+        return not problem
 
     def _call_classes(self, args: tuple, kwargs: dict) -> Any:
         try:

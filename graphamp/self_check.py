@@ -299,6 +299,18 @@ def _fp32_interface(inputs: Any) -> Any:
     return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in low else t, inputs)
 
 
+def eager_difference_without(
+    model: nn.Module, args: tuple, kwargs: dict, names: tuple[str, ...], spec: AmpSpec, *, grads: bool
+) -> str:
+    """The first difference between eager autocast called with ``kwargs`` and with each of
+    ``names`` passed as None, both from the same state; "" where eager treats them as absent
+    (outputs, dtypes and, with ``grads``, parameter gradients bitwise)."""
+    dropped = {**kwargs, **dict.fromkeys(k for k in names if k in kwargs)}
+    ref = _run(lambda: _autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=not grads)
+    got = _run(lambda: _autocast_call(model, args, dropped, spec), model, grads=grads, no_grad=not grads)
+    return _difference(got, ref, keep_io_types=False)
+
+
 def _autocast_call(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> Any:
     with torch.autocast(spec.device_type, dtype=spec.dtype, cache_enabled=spec.cache_enabled):
         return model(*args, **kwargs)

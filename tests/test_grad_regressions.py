@@ -246,3 +246,42 @@ def test_without_the_fallback_the_all_ones_mask_really_differs() -> None:
         spec = AmpSpec.resolve(model, ((ids,), {"attention_mask": mask}), dtype=torch.bfloat16)
         amp = _convert(model, (ids,), {"attention_mask": mask}, spec)
         checker_for(amp)(amp, model, (ids,), {"attention_mask": mask}, spec, on_drift="raise")
+
+
+class DropsAllOnesMaskUpToBatch2(DropsAllOnesMask):
+    """Drops an all-ones mask by value only for batches of at most 2: the example's finding (eager
+    runs the same program as without the mask) does not hold at batch 3."""
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_mask is not None and ids.shape[0] > 2:
+            self.skip_bias_without_padding = False
+            return MaskedEncoder.forward(self, ids, attention_mask)
+        return super().forward(ids, attention_mask)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_an_all_ones_mask_is_dropped_only_where_eager_was_seen_to_drop_it(training: bool) -> None:
+    from graphamp.emit import ALL_ONES_PROVEN
+
+    model = DropsAllOnesMaskUpToBatch2().train(training)
+    (ids, mask), _ = _inputs(padded=False)
+    amp = graphamp.convert(model, (ids,), {"attention_mask": mask}, dtype=torch.bfloat16)
+    assert len(amp.__dict__[ALL_ONES_PROVEN]) == 1 and all(amp.__dict__[ALL_ONES_PROVEN].values())
+
+    def exact(args: tuple, kwargs: dict) -> None:
+        if training:
+            assert _grad_differences(amp, model, args, kwargs, torch.bfloat16) == []
+        else:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                want = model(*args, **kwargs)
+            with torch.no_grad():
+                assert_same_outputs(amp(*args, **kwargs), want)
+
+    three = torch.cat([ids, ids[:1]]), torch.ones(3, ids.shape[1], dtype=mask.dtype)
+    # Eager keeps the all-ones mask at batch 3 (another program): the module must not pass None.
+    # (Without grad the two programs' outputs happen to be bitwise equal here: None is fine.)
+    exact((three[0],), {"attention_mask": three[1]})
+    assert list(amp.__dict__[ALL_ONES_PROVEN].values()) == [True, not training]
+    one = ids[:1], mask[:1]  # eager drops it at batch 1: checked once, then passed as None
+    exact((one[0],), {"attention_mask": one[1]})
+    assert list(amp.__dict__[ALL_ONES_PROVEN].values()) == [True, not training, True]

@@ -10,21 +10,20 @@ accumulator, where the repeated heads' gradients are rounded to the low dtype fi
 after. Eager autocast is the reference, so where eager called SDPA with ``enable_gqa`` on the
 example (observed by :func:`graphamp.probe.eager_sdpa_calls`), the matching traced call is given
 the grouped heads and ``enable_gqa=True``. The forward is unchanged (same values, any mask), so no
-input can make the rewrite wrong; it only restores eager's gradient rounding.
+input can make the rewrite wrong; it only restores eager's gradient rounding. Which call eager makes
+depends on the mask's values it reads; convert guards that read (``capture.values.guard_eager_reads``),
+so a mask that takes the other path gets a graph of its own, following eager's call for it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import warnings
-
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphamp.errors import EagerPathWarning
-from graphamp.passes.graph_edit import carried_meta, fake_mode_of, input_dependent, recompute_val, val_of
+from graphamp.passes.graph_edit import carried_meta, fake_mode_of, recompute_val, val_of
 from graphamp.node_info import info
 
 if TYPE_CHECKING:
@@ -66,22 +65,6 @@ def _erase_if_dead(gm: GraphModule, node: Node) -> None:
         node = source
 
 
-def _warn_mask_dependent(node: Node, call: object) -> None:
-    stack = node.meta.get("nn_module_stack") or {}
-    where = list(stack.values())[-1][0] if stack else "<root>"
-    chosen = "grouped key/value heads (enable_gqa)" if call.enable_gqa else "repeated key/value heads"
-    warnings.warn(
-        f"attention in {where}: its mask comes from an input, and the model's eager code may choose "
-        "how to call SDPA by the mask's values (transformers drops an all-ones mask and then groups "
-        f"the key/value heads inside SDPA). On the example, eager used {chosen}, and the converted "
-        "graph does too for every input: outputs are equal for any mask, gradients are bitwise for "
-        "masks that take the same path in eager and may differ in rounding for the others. Way out: "
-        "convert with a mask like the ones you train on (padded or not).",
-        EagerPathWarning,
-        stacklevel=2,
-    )
-
-
 def follow_eager_attention(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Give each SDPA call the grouped key/value heads and ``enable_gqa`` where eager did."""
     eager = gm.meta.get(EAGER_SDPA)
@@ -92,8 +75,6 @@ def follow_eager_attention(gm: GraphModule, spec: AmpSpec) -> PassResult:
     modified = False
     for node, call in zip(nodes, eager):
         key, value = repeated_heads(node.args[1]), repeated_heads(node.args[2])
-        if key is not None and input_dependent(node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")):
-            _warn_mask_dependent(node, call)
         if not call.enable_gqa or node.kwargs.get("enable_gqa"):
             continue
         if key is None or value is None or key[1] != value[1] or val_of(key[0]).shape[1] != call.kv_heads:
