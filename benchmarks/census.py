@@ -1067,9 +1067,12 @@ def check_resumable(head: dict[str, Any] | None, path: Path, allow_mixed: bool) 
                  "Start another --out, or pass --allow-mixed to append anyway (each record keeps its commit).")
 
 
-def _run_models(names: list[str], checks: tuple[str, ...], timeout: float, jobs: int, threads: int, out: Path) -> None:
+def _run_models(plan: dict[str, tuple[str, ...]], timeout: float, jobs: int, threads: int, out: Path) -> None:
+    """Each model of ``plan`` (name -> checks) in a worker of its own, ``jobs`` at a time; each
+    record appended to ``out`` as it comes."""
+    names = list(plan)
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(run_one, n, checks, timeout, threads): n for n in names}
+        futures = {pool.submit(run_one, n, plan[n], timeout, threads): n for n in names}
         for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
             data = fut.result()
             with open(out, "a") as f:
@@ -1100,14 +1103,14 @@ def run_census(args: argparse.Namespace) -> None:
             f.write(json.dumps(header()) + "\n")
     print(f"census: {len(names)} models to run ({len(done)} already in {out}), checks {','.join(checks)}, {args.jobs} job(s), {args.timeout:.0f} s each", flush=True)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
-    _run_models(names, checks, args.timeout, args.jobs, threads, out)
+    _run_models(dict.fromkeys(names, checks), args.timeout, args.jobs, threads, out)
     if args.rerun_slow:
         _, records = read_results(out)
         wanted = set(selected)
         slow = [n for n in slow_timeouts(records, args.rerun_slow) if n in wanted]
         print(f"census: {len(slow)} slow time-outs to run again with {args.rerun_slow:.0f} s each", flush=True)
         # The re-run's record comes later in the file, so it is the model's record (read_results).
-        _run_models(slow, tuple(records[n].get("requested") or checks), args.rerun_slow, args.jobs, threads, out)
+        _run_models({n: tuple(records[n].get("requested") or checks) for n in slow}, args.rerun_slow, args.jobs, threads, out)
     print_summary(out, markdown=args.markdown)
 
 
