@@ -252,3 +252,29 @@ def test_a_backend_dynamo_never_called_is_an_error(monkeypatch: pytest.MonkeyPat
     data = census.run_model("test/tiny", ("backend_autocast",))
     result = data["checks"]["backend_autocast"]
     assert (result["status"], result["type"], result["reported"]) == ("error", "BackendNotCalled", False), result
+
+
+def test_the_new_checks_see_a_module_that_differs_from_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphamp
+    import torch
+
+    _tiny_population(monkeypatch)
+
+    def fp32(self, dtype, *, train):  # "converted" to plain fp32: differs from autocast everywhere
+        self.reset(train=train)
+        return self.model
+
+    def reseeded(model, *args, **kwargs):  # autocast, but dropout drawn from another seed
+        def call(*a, **k):
+            torch.manual_seed(1)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(*a, **k)
+        return call
+
+    monkeypatch.setattr(census.Subject, "convert", fp32)
+    monkeypatch.setattr(graphamp, "convert", reseeded)
+    checks = census.run_model("test/tiny", ("inputs", "dropout"))["checks"]
+    inputs = checks["inputs"]
+    assert (inputs["status"], inputs["case"], inputs["reported"]) == ("differ", "values", False), inputs
+    assert [inputs["cases"][c]["status"] for c in ("values", "padded_mask", "longer")] == ["differ"] * 3
+    assert (checks["dropout"]["status"], checks["dropout"]["reported"]) == ("differ", False), checks["dropout"]
