@@ -14,6 +14,7 @@ from graphamp.export import export, verify_export
 from graphamp.errors import (
     BannedOpError,
     CaptureError,
+    CheckSkippedWarning,
     DeviceMismatchError,
     GraphampError,
     InputMismatchError,
@@ -49,6 +50,7 @@ __all__ = [
     "BannedOpError",
     "CaptureError",
     "Category",
+    "CheckSkippedWarning",
     "CompileError",
     "CompileFallbackWarning",
     "CompiledAmpModule",

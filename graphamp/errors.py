@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "InputValueError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError", "CompileError", "CompileFallbackWarning", "UnitInputError", "UnsupportedShardingError", "InputStructureError", "ModelChangedError", "ModelMethodError"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "InputValueError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "CheckSkippedWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError", "CompileError", "CompileFallbackWarning", "UnitInputError", "UnsupportedShardingError", "InputStructureError", "ModelChangedError", "ModelMethodError"]
 
 
 class GraphampError(Exception):
@@ -89,6 +89,22 @@ class EagerPathWarning(UserWarning):
     """The model's eager code chooses its program by tensor values, which one graph cannot: the
     converted graph holds one choice (the example's, or the path torch.export takes), so inputs
     that would take another path in eager may get gradients that round differently."""
+
+
+class CheckSkippedWarning(UserWarning):
+    """A check against eager autocast could not run, in whole or in part, so nothing was said about
+    what it would have compared. The backend's check of a compiled graph warns it, once per frame
+    and reason, naming what was not checked, why, and the way out (``graphamp.verify``, or
+    ``graphamp.convert``, which checks its module itself).
+
+    ``reason`` says why: ``"graph_break"`` (the graph holds only part of the frame),
+    ``"random"`` (the graph draws random numbers: dropout in training), ``"error"`` (a run of the
+    check raised), ``"unpaired"`` (the graph's outputs could not be paired with the frame's return
+    value), ``"no_frame"`` (dynamo's frame could not be rebuilt), ``"gradients"`` (the outputs were
+    compared, the gradients not).
+    """
+
+    reason: str = ""
 
 
 class SearchError(GraphampError, RuntimeError):

@@ -123,11 +123,16 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
             amp_gm = rewrite(split.eager_program, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=sdpa_calls)
             eager_program = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, mode, inference=inference))
             compiled = dispatch(split, eager_program, compiled)
-    if exact and opts.self_check and not _ends_at_graph_break(gm):
+    if spec.check and opts.self_check:
         # inner="eager" claims bitwise: check what runs (AOTAutograd decomposes some ops in
         # training). Inductor's code rounds otherwise by design: check graphamp's graph (the
-        # example's program, where there are two).
-        check_outputs(compiled if opts.inner == "eager" else amp_gm, example_inputs, frame, eager, graph=amp_gm)
+        # example's program, where there are two). A graph that ends at a graph break is said,
+        # not checked; in training the gradients of one backward are compared too. A Config that
+        # changes the policy (op overrides, fp32 modules) is not autocast's: not compared.
+        check_outputs(
+            compiled if opts.inner == "eager" else amp_gm, example_inputs, frame, eager, graph=amp_gm, traced=gm,
+            device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled, grads=not inference,
+        )
     return compiled
 
 

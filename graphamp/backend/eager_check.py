@@ -4,42 +4,65 @@
 The backend has the frame dynamo compiles and the call's own arguments
 (:func:`graphamp.backend.observe.compiled_frame`), so where dynamo's graph holds the whole frame
 (no graph break) it does the same: the frame runs eagerly under autocast, the rewritten graph runs
-on the same inputs, and each tensor the frame returns must be among the graph's outputs, equal in
-value and dtype. Model code that picks another program when traced than in eager (transformers
-drops an all-ones attention mask in eager and builds it when compiling, and some models then attend
-otherwise) differs here, and is an ``EagerPathWarning`` rather than a silent difference.
+on the same inputs, and each graph output the frame returns is compared with the value eager
+autocast returns in its place (:func:`graphamp.backend.observe.returned_outputs` pairs them), by
+position: equal values (NaN where both are NaN) and dtypes. In training (grad enabled and an input
+or parameter requiring grad), both sides then run once more with grad from the same state and
+backpropagate the same fixed loss of the paired outputs, and the gradients of the graph's inputs
+(the model's parameters among them) are compared too.
+
+Model code that picks another program when traced than in eager (transformers drops an all-ones
+attention mask in eager and builds it when compiling, and some models then attend otherwise)
+differs here, and is an ``EagerPathWarning`` rather than a silent difference. Where the check
+cannot run (the graph holds part of a frame, draws random numbers, or a run raises), it says so
+once per frame and reason with a ``CheckSkippedWarning``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from graphamp.backend.observe import EagerRun, Frame, frame_name
+from graphamp.backend.eager_dtypes import _ends_at_graph_break
+from graphamp.backend.observe import (
+    EagerRun, Frame, _modules_reached, eager_backward, frame_name, returned_outputs, under_dynamo,
+)
 from graphamp.eager import rng_kept
-from graphamp.errors import EagerPathWarning
+from graphamp.errors import CheckSkippedWarning, EagerPathWarning
+from graphamp.self_check import _loss
 from graphamp.spec import autocast_off
 
-__all__ = ["check_outputs", "unmatched_outputs"]
+__all__ = ["Where", "check_outputs", "flat_pairs", "output_difference"]
 
 # Ops whose results depend on the random state: two programs draw alike only if they call them
 # alike, so a graph that draws is not compared (a difference there says nothing about dtypes).
 _RANDOM = ("bernoulli", "rand", "normal", "multinomial", "uniform", "exponential", "geometric", "cauchy", "log_normal")
 
+_WAY_OUT = (
+    "Way out: graphamp.verify(model, args) compares the model with eager autocast op by op, and "
+    "graphamp.convert(model, args) checks the module it returns against eager autocast itself."
+)
 
-def _draws(gm: GraphModule) -> bool:
-    """Whether the graph calls an op that draws random numbers (dropout in training included)."""
+# (reason, frame) pairs already said: a frame recompiled (new shapes, a second graph after the same
+# break) is not said again.
+_said: set[tuple[str, str]] = set()
+
+
+def _draws(gm: GraphModule) -> list[str]:
+    """The ops of the graph that draw random numbers (dropout in training included)."""
+    found = []
     for node in gm.graph.nodes:
         name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
         if any(r in name for r in _RANDOM) or ("dropout" in name and _training_dropout(node)):
-            return True
-    return False
+            found.append(name.split(".")[0])
+    return sorted(set(found))
 
 
 def _training_dropout(node: Any) -> bool:
@@ -55,41 +78,164 @@ def _hint(x: Any) -> Any:
     return x
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+def _skip(name: str, reason: str, message: str, frame: Frame | None = None) -> None:
+    """Say once per frame and reason that (part of) the check did not run."""
+    key = (reason, _frame_key(frame) if frame is not None else name)
+    if key in _said:
+        return
+    _said.add(key)
+    warning = CheckSkippedWarning(f"{name}: {message} {_WAY_OUT}")
+    warning.reason = reason
+    warnings.warn(warning, stacklevel=4)
 
 
-def unmatched_outputs(result: Any, graph_outputs: Sequence[Any], inputs: Sequence[Any]) -> list[tuple[int, torch.Tensor]]:
-    """The tensors of ``result`` (with their index among its tensors) equal to no graph output and
-    to no input.
+def _frame_key(frame: Frame) -> str:
+    """The frame's model class (or function), with its module: the same for the resume functions
+    dynamo makes of it after a graph break, other for a class of the same name elsewhere."""
+    modules = _modules_reached(frame)
+    owner = type(modules[0]) if modules else frame.fn
+    return f"{getattr(owner, '__module__', '')}.{getattr(owner, '__qualname__', frame.fn.__qualname__)}"
 
-    >>> a, b = torch.ones(2), torch.zeros(2)
-    >>> unmatched_outputs({"x": a, "y": b.clone()}, [b], [])
-    [(0, tensor([1., 1.]))]
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}".rstrip(": ")
+
+
+class Where(NamedTuple):
+    """A place in the frame's return value: a pytree key path, or (where the value's types give no
+    key paths) the index of a leaf."""
+
+    path: tuple[Any, ...] | None
+    leaf: int = -1
+
+    def get(self, result: Any) -> Any:
+        if self.path is None:
+            return pytree.tree_leaves(result)[self.leaf]
+        for key in self.path:
+            result = key.get(result)
+        return result
+
+    def __str__(self) -> str:
+        return f"output leaf {self.leaf}" if self.path is None else "output" + pytree.keystr(self.path)
+
+
+class _Unpaired(Exception):
+    """The graph's outputs cannot be paired with the frame's return value."""
+
+
+def flat_pairs(result: Any, graph_outputs: Sequence[Any], received: Sequence[Any]) -> list[tuple[int, Where]]:
+    """Pair the graph's tensor outputs with the tensors of ``result`` in order, where dynamo's tracer
+    does not say where each output is returned: the result's tensors, in pytree order, without those
+    it received (``received``: returned as they came, no graph's) and without repeats, must be as many
+    as the graph's tensor outputs, each of the same shape as its pair. Raises _Unpaired otherwise.
+
+    >>> a, b, x = torch.ones(2), torch.zeros(2), torch.full((2,), 3.0)
+    >>> [(j, str(w)) for j, w in flat_pairs({"x": x, "y": (a, b, a)}, [a, b], [x])]
+    [(0, "output['y'][0]"), (1, "output['y'][1]")]
     """
-    tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
-    outs = [t for t in pytree.tree_leaves(list(graph_outputs)) if isinstance(t, torch.Tensor)]
-    ins = [t for t in inputs if isinstance(t, torch.Tensor)]
-    return [(i, t) for i, t in enumerate(tensors) if not any(_same(t, o) for o in outs) and not any(_same(t, x) for x in ins)]
+    try:
+        leaves: list[tuple[Any, Any]] = [(tuple(path), leaf) for path, leaf in pytree.tree_flatten_with_path(result)[0]]
+    except ValueError:  # a registered type without key paths (diffusers' output classes)
+        leaves = [(None, leaf) for leaf in pytree.tree_leaves(result)]
+    seen = {id(t) for t in received if isinstance(t, torch.Tensor)}
+    mine = []
+    for i, (path, leaf) in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in seen:
+            seen.add(id(leaf))
+            mine.append(Where(path, i))
+    tensors = [j for j, o in enumerate(graph_outputs) if isinstance(o, torch.Tensor)]
+    if len(mine) != len(tensors):
+        raise _Unpaired(f"the frame returns {len(mine)} tensors it computes and the graph has {len(tensors)} tensor outputs")
+    for j, where in zip(tensors, mine):
+        if graph_outputs[j].shape != where.get(result).shape:  # in order they do not pair: say so, not a difference
+            raise _Unpaired(f"in order, graph output #{j} has shape {tuple(graph_outputs[j].shape)} and the frame's {where} {tuple(where.get(result).shape)}")
+    return list(zip(tensors, mine))
 
 
-def _closest(t: torch.Tensor, outs: list[torch.Tensor]) -> str:
-    alike = [o for o in outs if o.shape == t.shape]
-    if not alike:
-        return "no graph output has its shape"
-    o = min(alike, key=lambda o: (o.dtype != t.dtype, (o.double() - t.double()).abs().max().item()))
-    if o.dtype != t.dtype:
-        return f"the closest graph output is {o.dtype} where eager autocast gives {t.dtype}"
-    return f"the closest graph output differs by up to {(o.double() - t.double()).abs().max().item():.3g}"
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> str:
+    if not (a.is_floating_point() or a.is_complex()) and not (b.is_floating_point() or b.is_complex()):
+        return f"{int((a.long() - b.long().to(a.device)).abs().max())}" if a.numel() else "0"
+    if not a.numel():
+        return "0"
+    d = (a.double() - b.double().to(a.device)).abs()
+    both_nan = a.isnan() & b.to(a.device).isnan()
+    return f"{float(d.masked_fill(both_nan, 0).nan_to_num(float('inf')).max()):.3g}"
+
+
+def output_difference(a: Any, b: Any) -> str:
+    """How ``a`` (the graph's) differs from ``b`` (eager autocast's), in words; empty if equal in
+    value (NaN where both are NaN), dtype and shape.
+
+    >>> output_difference(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, float("nan")]))
+    ''
+    >>> output_difference(torch.ones(2), torch.ones(2, dtype=torch.bfloat16))
+    'torch.float32 where eager autocast gives torch.bfloat16 (max abs difference 0)'
+    """
+    if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+        return f"a {type(a).__name__} where eager autocast gives a {type(b).__name__}"
+    if not isinstance(a, torch.Tensor):
+        return "" if a == b or (a != a and b != b) else f"{a!r} where eager autocast gives {b!r}"
+    if a.shape != b.shape:
+        return f"shape {tuple(a.shape)} ({a.dtype}) where eager autocast gives {tuple(b.shape)} ({b.dtype})"
+    if a.dtype != b.dtype:
+        return f"{a.dtype} where eager autocast gives {b.dtype} (max abs difference {_max_abs(a, b)})"
+    b = b.to(a.device)
+    if torch.equal(a, b) or (a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())):
+        return ""
+    return f"{a.dtype} as eager autocast's, max abs difference {_max_abs(a, b)}"
+
+
+def _flat(outs: Any) -> list[Any]:
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 def check_outputs(
-    run: Callable[..., Any], example_inputs: Sequence[Any], frame: Frame | None, eager: EagerRun | None, *, graph: GraphModule,
+    run: Callable[..., Any],
+    example_inputs: Sequence[Any],
+    frame: Frame | None,
+    eager: EagerRun | None,
+    *,
+    graph: GraphModule,
+    traced: GraphModule | None = None,
+    device_type: str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    cache_enabled: bool = True,
+    grads: bool = False,
 ) -> bool:
-    """Warn (EagerPathWarning) if ``run`` (the rewritten ``graph``, or its compiled code), holding
-    the whole of ``frame``, gives other values or dtypes than the frame's eager autocast run on
-    this call. Returns whether it compared."""
-    if frame is None or eager is None or _draws(graph):
+    """Warn (EagerPathWarning) if ``run`` (the rewritten ``graph``, or its compiled code) gives
+    other values or dtypes than the frame's eager autocast run on this call, output by output; with
+    ``grads`` (training), also if the gradients of one backward differ. ``traced`` is dynamo's graph
+    (its outputs, and whether it ends at a graph break). Where it cannot check, it says so once
+    (CheckSkippedWarning). Returns whether it compared."""
+    name = frame_name(frame) if frame is not None else "the frame dynamo compiles"
+    if traced is not None and _ends_at_graph_break(traced):
+        _skip(name, "graph_break", frame=frame, message=(
+            "dynamo broke it into several graphs, and this graph holds only its part up to the break, whose "
+            "values the frame does not return: that part was not compared with eager autocast (a graph that "
+            "holds the rest of a frame is)."
+        ))
+        return False
+    if frame is None:
+        if under_dynamo():
+            _skip(name, "no_frame", (
+                "the backend could not rebuild the frame dynamo compiles from torch's tracer (private to "
+                "torch), so the compiled graph was not compared with eager autocast."
+            ))
+        return False
+    drawn = _draws(graph)
+    if drawn:
+        _skip(name, "random", frame=frame, message=(
+            f"the graph draws random numbers ({', '.join(drawn)}), as dropout does in training, and eager autocast "
+            "and the compiled graph do not draw alike, so its outputs and gradients were not compared with eager "
+            "autocast's. Check it in eval mode (model.eval() turns dropout off)."
+        ))
+        return False
+    if eager is None:
+        _skip(name, "error", frame=frame, message=f"eager autocast could not run the frame here ({_eager_failure(frame, device_type, dtype, cache_enabled)}), so the compiled graph was not compared with it.")
         return False
     # The graph may update buffers in place (batch-norm statistics): it runs on copies of them.
     inputs = [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter) else x for x in example_inputs]
@@ -97,26 +243,185 @@ def check_outputs(
     # add guards (and specialize the graph); its value on this call is its hint.
     inputs = [_hint(x) for x in inputs]
     if any(x is None for x in inputs):
+        _skip(name, "error", frame=frame, message="a size of this call has no value to run with (an unbacked symbolic size), so the compiled graph was not compared with eager autocast.")
         return False
     try:
         with autocast_off(), torch.no_grad(), rng_kept(seed=0):
-            outs = run(*inputs)
-    except Exception:  # the check is advisory: a graph that cannot run eagerly here is not judged
+            outs = _flat(run(*inputs))
+    except Exception as e:  # the check is advisory: said, not raised
+        _skip(name, "error", frame=frame, message=f"the compiled graph raised when the check ran it ({_error(e)}), so it was not compared with eager autocast.")
         return False
     # What the frame returns as it received it (a value a resume function passes through) is no graph's.
-    passed = [*example_inputs, *pytree.tree_leaves((frame.args, frame.kwargs))]
-    missing = unmatched_outputs(eager.result, outs if isinstance(outs, (list, tuple)) else [outs], passed)
-    if missing:
-        i, t = missing[0]
-        flat = [o for o in pytree.tree_leaves(list(outs) if isinstance(outs, (list, tuple)) else [outs]) if isinstance(o, torch.Tensor)]
-        warnings.warn(
-            f"{frame_name(frame)}: on the call it was compiled for, {len(missing)} of the tensors it returns differ "
-            f"from eager torch.autocast's: tensor #{i} ({tuple(t.shape)}, {t.dtype}): {_closest(t, flat)}. The model's "
-            "Python takes another program when traced than in eager (transformers, for one, drops an all-ones "
-            "attention mask in eager and builds it when compiling). Way out: graphamp.verify(model, args) names "
-            "the first divergent node where graphamp.convert can capture the model; or run this model under eager "
-            "torch.autocast.",
-            EagerPathWarning,
-            stacklevel=3,
-        )
+    received = [*example_inputs, *pytree.tree_leaves((frame.args, frame.kwargs))]
+    received += [t for m in _modules_reached(frame) for t in (*m.parameters(), *m.buffers())]
+    try:
+        pairs = _pairs(traced, eager.result, outs, received)
+    except _Unpaired as e:
+        _skip(name, "unpaired", frame=frame, message=f"the backend could not pair the graph's outputs with the value the frame returns ({e}), so they were not compared with eager autocast's.")
+        return False
+    if not pairs:
+        if any(isinstance(o, torch.Tensor) for o in outs):
+            _skip(name, "unpaired", frame=frame, message="the frame returns none of the graph's outputs (it stores them elsewhere), so they were not compared with eager autocast's.")
+        return False
+    differences = _differences(outs, eager.result, pairs)
+    if differences:
+        _warn_outputs(name, differences, len(pairs), "")
+        return True
+    if grads:
+        _check_gradients(name, run, example_inputs, frame, pairs, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
     return True
+
+
+def _pairs(traced: GraphModule | None, result: Any, outs: list[Any], received: list[Any]) -> list[tuple[int, Where]]:
+    paths = returned_outputs(traced) if traced is not None else None
+    if paths is not None:
+        expected = traced.graph.output_node().args[0]
+        if len(_flat(expected)) != len(outs):
+            raise _Unpaired(f"dynamo's graph has {len(_flat(expected))} outputs and the rewritten graph {len(outs)}")
+        return [(j, Where(paths[j])) for j in sorted(paths)]
+    return flat_pairs(result, outs, received)
+
+
+def _differences(outs: list[Any], result: Any, pairs: list[tuple[int, Where]]) -> list[tuple[int, Where, str]]:
+    found = []
+    for j, where in pairs:
+        try:
+            want = where.get(result)
+        except Exception:
+            found.append((j, where, "a value where eager autocast returns none"))
+            continue
+        problem = output_difference(_detached(outs[j]), want)
+        if problem:
+            found.append((j, where, problem))
+    return found
+
+
+def _warn_outputs(name: str, differences: list[tuple[int, Where, str]], compared: int, when: str) -> None:
+    j, where, problem = differences[0]
+    warnings.warn(
+        f"{name}: on the call it was compiled for{when}, {len(differences)} of the tensors it returns differ from "
+        f"eager torch.autocast's, compared by position ({compared} compared): graph output #{j} (the frame's "
+        f"{where}) is {problem}. The model's Python takes another program when traced than in eager "
+        "(transformers, for one, drops an all-ones attention mask in eager and builds it when compiling). "
+        "Way out: graphamp.verify(model, args) names the first divergent node where graphamp.convert can "
+        "capture the model; or run this model under eager torch.autocast.",
+        EagerPathWarning,
+        stacklevel=4,
+    )
+
+
+def _eager_failure(frame: Frame, device_type: str, dtype: torch.dtype, cache_enabled: bool) -> str:
+    """Why the frame's eager run failed at compile time, in words (it runs once more to say)."""
+    try:
+        eager_backward(frame, {}, [], lambda r: torch.zeros(()), device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
+    except Exception as e:
+        return _error(e)
+    return "it raised on its first run"
+
+
+@contextlib.contextmanager
+def _backward_compile_metrics() -> Iterator[None]:
+    """Dynamo's compile metrics kept apart while the check backpropagates through AOTAutograd's code:
+    its backward compiles on first use, and records metrics dynamo's compile of the forward has set."""
+    try:
+        from torch._dynamo import utils
+        from torch._dynamo.metrics_context import MetricsContext
+
+        tls = utils._metrics_context_tls
+        saved = utils.get_metrics_context()
+        tls.metrics_context = MetricsContext(on_exit=lambda *args: None)
+    except Exception:  # private to torch: the backward records where it would
+        yield
+        return
+    try:
+        yield
+    finally:
+        tls.metrics_context = saved
+
+
+def _check_gradients(
+    name: str, run: Callable[..., Any], example_inputs: Sequence[Any], frame: Frame, pairs: list[tuple[int, Where]], *,
+    device_type: str, dtype: torch.dtype, cache_enabled: bool,
+) -> None:
+    """Backpropagate the same fixed loss of the paired outputs through the graph and through the
+    frame under eager autocast, from the same state, and compare the gradients of the graph's inputs
+    that require grad (its parameters, and the frame's tensor arguments that require grad)."""
+    targets = [k for k, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not targets:
+        return
+    arguments = {id(t) for t in pytree.tree_leaves((frame.args, frame.kwargs)) if isinstance(t, torch.Tensor)}
+    graph_inputs = [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter) and not x.requires_grad else x for x in example_inputs]
+    graph_inputs = [_hint(x) for x in graph_inputs]
+    substitutes: dict[int, torch.Tensor] = {}
+    for k in targets:
+        x = example_inputs[k]
+        if x.is_leaf:
+            continue  # a parameter, or an input tensor that requires grad: both sides take it as it is
+        if id(x) not in arguments:
+            _skip(name, "gradients", frame=frame, message=(
+                f"its outputs equal eager autocast's, but the gradients were not compared: graph input #{k} is a "
+                "tensor with autograd history that the frame reaches other than through its arguments, so the "
+                "two backward passes would not start from the same leaves."
+            ))
+            return
+        # An argument with history (a resume function's input, computed by the graph before the
+        # break): both sides take a detached copy, so neither backward reaches the earlier graph.
+        substitutes[id(x)] = x.detach().clone().requires_grad_(True)
+        graph_inputs[k] = x.detach().clone().requires_grad_(True)
+    eager_targets = [substitutes.get(id(example_inputs[k]), example_inputs[k]) for k in targets]
+    graph_targets = [graph_inputs[k] for k in targets]
+    try:
+        with autocast_off(), torch.enable_grad(), rng_kept(seed=0), _backward_compile_metrics():
+            got = _flat(run(*graph_inputs))
+            total = _loss([got[j] for j, _ in pairs])
+            got_grads = (
+                list(torch.autograd.grad(total, graph_targets, allow_unused=True))
+                if total.requires_grad else None
+            )
+        got = [_detached(o) for o in got]
+    except Exception as e:
+        _skip(name, "gradients", frame=frame, message=f"its outputs equal eager autocast's, but the gradients were not compared: the compiled graph's backward raised ({_error(e)}).")
+        return
+    try:
+        result, want_grads = eager_backward(
+            frame, substitutes, eager_targets, lambda r: _loss([w.get(r) for _, w in pairs]),
+            device_type=device_type, dtype=dtype, cache_enabled=cache_enabled,
+        )
+    except Exception as e:
+        _skip(name, "gradients", frame=frame, message=f"its outputs equal eager autocast's, but the gradients were not compared: eager autocast's backward raised ({_error(e)}).")
+        return
+    differences = _differences(got, result, pairs)
+    if differences:
+        _warn_outputs(name, differences, len(pairs), " (with grad enabled)")
+        return
+    if got_grads is None and all(g is None for g in want_grads):
+        return  # no output carries a gradient on either side: nothing to compare
+    names: dict[int, str] = {}
+    for module in _modules_reached(frame):
+        for n, p in module.named_parameters():
+            names.setdefault(id(p), n)
+    diffs = []
+    for i, k in enumerate(targets):
+        have = None if got_grads is None else got_grads[i]
+        want = want_grads[i]
+        label = names.get(id(example_inputs[k]), f"graph input #{k}")
+        if (have is None) != (want is None):
+            diffs.append((label, f"{'missing' if have is None else 'present'} where eager autocast's is {'present' if want is not None else 'missing'}"))
+            continue
+        if have is not None:
+            problem = output_difference(have, want)
+            if problem:
+                diffs.append((label, problem))
+    if diffs:
+        label, problem = diffs[0]
+        warnings.warn(
+            f"{name}: on the call it was compiled for, its outputs equal eager torch.autocast's but the gradients "
+            f"of one backward (the same fixed loss of the outputs on both sides) differ for {len(diffs)} of "
+            f"{len(targets)} tensors: the gradient of {label} is {problem}. A known cause: AOTAutograd (inner=\"eager\" "
+            "in training) decomposes a few ops otherwise than eager's kernels (bilinear interpolate, nn.LSTM). Way out: "
+            "graphamp.verify(model, args) names the first divergent node, graphamp.convert(model, args) or "
+            "graphamp.TrainStep checks its gradients against eager autocast itself; or train this model under "
+            "eager torch.autocast.",
+            EagerPathWarning,
+            stacklevel=4,
+        )

@@ -36,9 +36,12 @@ from torch.utils import _pytree as pytree
 from graphamp.errors import EagerPathWarning
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.probe import SdpaCall, _state_restored, eager_sdpa_calls
-from graphamp.spec import ambient_autocast
+from graphamp.spec import ambient_autocast, autocast_off
 
-__all__ = ["DtypeCall", "EagerRun", "Frame", "eager_run", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "frame_name", "observe_eager_frame"]
+__all__ = [
+    "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "call_name", "compiled_frame", "dtype_calls", "dtype_constants",
+    "frame_name", "observe_eager_frame", "returned_outputs", "under_dynamo",
+]
 
 
 class Frame(NamedTuple):
@@ -61,6 +64,85 @@ def compiled_frame() -> Frame | None:
         return Frame(fn, *frame_arguments(code, f_locals))
     except Exception:  # private to torch: a frame that is not there just skips the observation
         return None
+
+
+def under_dynamo() -> bool:
+    """Whether dynamo is compiling a frame now (the backend was called by ``torch.compile``)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx() is not None
+    except Exception:  # private to torch
+        return False
+
+
+class _Unreadable(Exception):
+    """The frame's return value holds an object whose contents dynamo's tracer does not list."""
+
+
+def returned_outputs(traced: GraphModule) -> dict[int, tuple[Any, ...]] | None:
+    """Where in the frame's return value each output of dynamo's graph ``traced`` is returned: the
+    pytree key path of its first place there, by output index. Outputs the frame does not return
+    (a tensor it stores on an attribute) have none, nor do returned tensors the frame received (they
+    are no graph's). Read from dynamo's tracer while it compiles the frame's ``return``; None where
+    the tracer is not there or the return value holds an object whose contents it does not list.
+
+    The graph's outputs are the return value's tensors deduplicated and side effects' tensors, in
+    the order dynamo's code generation meets them; reading the return value's variables is what
+    pairs each with its place, so outputs are compared by position, not by value.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        reason = tx.output.compile_subgraph_reason
+        if reason is None or reason.reason != "return_value" or reason.graph_break or not tx.stack:
+            return None
+        returned = tx.stack[-1]
+        outputs = traced.graph.output_node().args[0]
+        nodes = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        index = {id(n): j for j, n in reversed(list(enumerate(nodes))) if isinstance(n, torch.fx.Node)}
+        names = {n.name: j for j, n in reversed(list(enumerate(nodes))) if isinstance(n, torch.fx.Node)}
+        found: dict[int, tuple[Any, ...]] = {}
+        _walk_returned(returned, (), index, names, found)
+        return found
+    except Exception:  # private to torch, or an object it does not list: pair otherwise
+        return None
+
+
+def _walk_returned(vt: Any, path: tuple[Any, ...], index: dict[int, int], names: dict[str, int], found: dict[int, tuple[Any, ...]]) -> None:
+    from torch._dynamo.variables import ConstantVariable, ConstDictVariable, SymNodeVariable, TensorVariable
+    from torch._dynamo.variables.lazy import LazyVariableTracker
+    from torch._dynamo.variables.lists import BaseListVariable
+
+    if isinstance(vt, LazyVariableTracker):
+        if not vt.is_realized():
+            return  # a value the frame received, untouched: loaded from its source, no graph's output
+        vt = vt.realize()
+    if isinstance(vt, TensorVariable):
+        if type(vt) is not TensorVariable:
+            raise _Unreadable(type(vt).__name__)  # a Python number or an ndarray the graph computes
+        node = vt.as_proxy().node
+        j = index.get(id(node), names.get(node.name) if node.op != "placeholder" else None)
+        if j is not None:
+            found.setdefault(j, path)
+        return
+    if isinstance(vt, (ConstantVariable, SymNodeVariable)):
+        return
+    base = getattr(vt, "_base_vt", None)  # a user-defined dict, tuple or list (ModelOutput, a namedtuple)
+    if isinstance(base, (ConstDictVariable, BaseListVariable)):
+        vt = base
+    if isinstance(vt, BaseListVariable):
+        for i, item in enumerate(vt.items):
+            _walk_returned(item, (*path, pytree.SequenceKey(i)), index, names, found)
+        return
+    if isinstance(vt, ConstDictVariable):
+        for key, item in vt.items.items():
+            _walk_returned(item, (*path, pytree.MappingKey(key.vt.as_python_constant())), index, names, found)
+        return
+    if getattr(vt, "source", None) is not None and not vt.is_mutable():
+        return  # an object the frame received and returns unchanged
+    raise _Unreadable(type(vt).__name__)
 
 
 def frame_arguments(code: types.CodeType, f_locals: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -266,6 +348,40 @@ def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cach
         return None
     off = frozenset(recorder.sites[False] - recorder.sites[True] - {""})
     return EagerRun(recorder.calls, result, off)
+
+
+def eager_backward(
+    frame: Frame,
+    substitutes: dict[int, torch.Tensor],
+    wrt: list[torch.Tensor],
+    loss: Callable[[Any], torch.Tensor],
+    *,
+    device_type: str,
+    dtype: torch.dtype,
+    cache_enabled: bool = True,
+) -> tuple[Any, list[torch.Tensor | None]]:
+    """Run the frame's code eagerly once with grad, under autocast to ``dtype``, each tensor
+    argument ``t`` replaced by ``substitutes[id(t)]`` where there is one, and backpropagate
+    ``loss(result)`` (with autocast off) to the tensors ``wrt`` (the model's parameters, substitutes).
+    Buffers, Python caches and random state are restored after, the seed fixed. Returns the
+    result (detached) and the gradients (None where unused). Raises what the run raises.
+    """
+    call = _EagerCall(frame.fn, _modules_reached(frame))
+    swapped = pytree.tree_map(
+        lambda v: substitutes.get(id(v), v) if isinstance(v, torch.Tensor) else v, (tuple(frame.args), dict(frame.kwargs))
+    )
+    args, kwargs = _fresh_arguments(Frame(frame.fn, *swapped))
+    targets = list(wrt)
+    with _state_restored(call, seed=0), torch.enable_grad():
+        with ambient_autocast(device_type, dtype, cache_enabled=cache_enabled):
+            result = call(*args, **kwargs)
+        with autocast_off():
+            total = loss(result)
+            grads = (
+                list(torch.autograd.grad(total, targets, allow_unused=True))
+                if total.requires_grad and targets else [None] * len(targets)
+            )
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, result), grads
 
 
 def _clear_method_caches(call: nn.Module) -> None:
