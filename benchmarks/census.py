@@ -1212,9 +1212,10 @@ def print_summary(path: Path, *, markdown: bool = False, file: Any = None) -> No
         print(f"{'check':16s} " + " ".join(f"{k:>16s}" for k in KINDS) + f"   (% of the {n} models eager runs)", file=file)
         for check, counts in s["table"].items():
             print(f"{check:16s} " + " ".join(f"{_cell(counts.get(k, 0), n):>16s}" for k in KINDS), file=file)
-    print(f"\nmodels with a silent difference or error in any check: {len(s['silent_models'])}; with one graphamp reported: "
-          f"{len(s['reported_models'])} (reported: a typed graphamp error, or a graphamp warning naming what differs)", file=file)
-    if s["timeouts"]:
+    if not markdown:  # the markdown table says both below itself
+        print(f"\nmodels with a silent difference or error in any check: {len(s['silent_models'])}; with one graphamp reported: "
+              f"{len(s['reported_models'])} (reported: a typed graphamp error, or a graphamp warning naming what differs)", file=file)
+    if s["timeouts"] and not markdown:
         print("time-outs: " + ", ".join(f"{k} {v}" for k, v in sorted(s["timeouts"].items())) +
               " (hang: little CPU or the same stack twice; slow: working, --rerun-slow LIMIT runs them again)", file=file)
     print("\nfailures by cause (check: models):", file=file)
