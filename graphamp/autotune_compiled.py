@@ -76,8 +76,9 @@ def fastest_compiled(
     on the example: forward, and backward to the parameters where the conversion keeps gradients.
     ``compile_fn(program, model, args, kwargs)`` compiles one (default: ``convert(compile=True)``'s)."""
     from graphamp.compiled import compile_converted
-    from graphamp.convert import _checked_params, errors_against_fp32, replay
-    from graphamp.probe import _state_restored
+    from graphamp.autotune.accuracy import checked_params, errors_against_fp32
+    from graphamp.pipeline import replay
+    from graphamp.eager import state_restored
 
     compile_fn = compile_fn or compile_converted
 
@@ -119,7 +120,7 @@ def fastest_compiled(
                 if name == "plan":
                     raise
                 notes.append(f"{name}: not compiled ({type(e).__name__})")
-    params = _checked_params(model, spec)
+    params = checked_params(model, spec)
 
     def run(cm: nn.Module) -> Callable[[], Any]:
         def call() -> Any:
@@ -134,7 +135,7 @@ def fastest_compiled(
 
     samples: dict[str, list[float]] = {}
     if len(compiled) > 1:
-        with _state_restored(model):
+        with state_restored(model):
             samples = time_programs({name: run(cm) for name, cm in compiled.items()})
     best = pick(samples) if samples else "plan"
     chosen = compiled[best]
@@ -150,7 +151,7 @@ def _cpp_wrapper_if_faster(
     too: 0.93x on the bench's 1 ms checkerboard, nothing on BERT), kept where it times faster
     than ``cm`` by the same rule as the candidates; the choice is added to ``notes``."""
     from graphamp.compiled import compile_converted
-    from graphamp.probe import _state_restored
+    from graphamp.eager import state_restored
 
     try:
         with warnings.catch_warnings():
@@ -162,7 +163,7 @@ def _cpp_wrapper_if_faster(
     if not getattr(cpp, "runs_compiled", False):
         notes.append("C++ wrapper: refused")
         return cm
-    with _state_restored(model):
+    with state_restored(model):
         samples = time_programs({"plan": run(cm), "C++ wrapper": run(cpp)})
     ratio = ratios_to_plan(samples)["C++ wrapper"]
     kept = pick(samples) == "C++ wrapper"

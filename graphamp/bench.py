@@ -65,11 +65,11 @@ from graphamp import hardware
 from graphamp.compiled import inductor_freezing
 from graphamp.testing import zoo
 from graphamp.verify.reference import count_casts, lowered_graph
-from graphamp.spec import DTYPE_ALIASES
+from graphamp.policy import DTYPE_ALIASES
 
 __all__ = ["ALTERNATIVES", "BENCH_MODELS", "DEFAULT_MODELS", "PURE_LOW", "VARIANTS", "Row", "build_case", "default_variants", "recommendation", "run"]
 
-DTYPES = ("bf16", "fp16")  # the short names of graphamp.spec.DTYPE_ALIASES
+DTYPES = ("bf16", "fp16")  # the short names of graphamp.policy.DTYPE_ALIASES
 
 # Benchmark sizes: large enough that compute, not Python, is most of a call.
 BENCH_MODELS: dict[str, Callable[[], zoo.Case]] = {

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -397,7 +397,7 @@ def measure_drift(cm: CompiledAmpModule, model: nn.Module, args: tuple = (), kwa
     numbers in its forward (dropout in training mode) is not comparable value by value: inductor
     draws them from its own generator; the result says so instead of reporting a meaningless error.
     """
-    from graphamp.self_check import _autocast_call, _run
+    from graphamp.eager import autocast_call, outcome
 
     kwargs = dict(kwargs or {})
     info = cm.amp.graphamp_info
@@ -405,8 +405,8 @@ def measure_drift(cm: CompiledAmpModule, model: nn.Module, args: tuple = (), kwa
     if grads is None:
         grads = not info.inference and not random and any(p.requires_grad for p in model.parameters())
     spec = info.spec()
-    ref = _run(lambda: _autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=info.inference)
-    got = _run(lambda: cm(*args, **kwargs), model, grads=grads, no_grad=info.inference)
+    ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=info.inference)
+    got = outcome(lambda: cm(*args, **kwargs), model, grads=grads, no_grad=info.inference)
     out_abs, out_rel, same_dtypes, bitwise = _tree_errors(pytree.tree_leaves(got.outputs), pytree.tree_leaves(ref.outputs))
     if random:  # output dtypes and shapes still compare
         return Drift(None, None, same_dtypes, False, comparable=False, note=(
@@ -458,7 +458,7 @@ def compile_converted(
     """``amp`` compiled, and compiled now: the example runs through it once (model state restored
     after), which is where a failure to compile raises :class:`CompileError`; its difference from
     eager autocast on the example is kept in ``.drift``."""
-    from graphamp.probe import _state_restored
+    from graphamp.eager import state_restored
 
     if not isinstance(amp, AmpModule):  # the dynamo fallback (graph breaks): already torch.compile'd
         warnings.warn(
@@ -471,7 +471,7 @@ def compile_converted(
     cm = CompiledAmpModule(amp, mode=mode, options=options)
     start = time.perf_counter()
     try:
-        with _state_restored(model), torch.inference_mode(False), torch.enable_grad():
+        with state_restored(model), torch.inference_mode(False), torch.enable_grad():
             cm._call_compiled(args, kwargs)
     except InputMismatchError:
         raise
@@ -511,13 +511,13 @@ def _dtypes_follow_converted(cm: CompiledAmpModule, amp: AmpModule, model: nn.Mo
     module on the example. In exact mode those are eager autocast's; ``mode="autotune"`` may
     return others by design (a raised ``lm_head`` returns fp32 logits), which
     is the converted program, not inductor running another one."""
-    from graphamp.self_check import _run
+    from graphamp.eager import outcome
 
     if amp.graphamp_info.mode == "exact":
         return False  # the converted module's dtypes are eager autocast's, which the compiled ones miss
     no_grad = amp.graphamp_info.inference
-    got = _run(lambda: cm(*args, **kwargs), model, grads=False, no_grad=no_grad)
-    ref = _run(lambda: amp(*args, **kwargs), model, grads=False, no_grad=no_grad)
+    got = outcome(lambda: cm(*args, **kwargs), model, grads=False, no_grad=no_grad)
+    ref = outcome(lambda: amp(*args, **kwargs), model, grads=False, no_grad=no_grad)
     return _tree_errors(pytree.tree_leaves(got.outputs), pytree.tree_leaves(ref.outputs))[2]
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from graphamp.plan import AutotunePlan
-from graphamp.policy import Category, op_key
+from graphamp.policy import Category, op_key, resolve_dtype
 from graphamp.runtime import FrozenDict
 
 __all__ = ["Config"]
@@ -118,8 +118,6 @@ class Config:
         >>> assert Config.from_model(T5Like()).fp32_modules == ("wo", "*.wo")
         >>> assert Config.from_model(T5Like(), dtype=torch.bfloat16).fp32_modules == ()
         """
-        from graphamp.spec import resolve_dtype
-
         dtype = resolve_dtype(dtype, "cpu")
         attrs = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict") if dtype == torch.float16 else ("_keep_in_fp32_modules_strict",)
         names = dict.fromkeys(n for m in model.modules() for a in attrs for n in sorted(getattr(type(m), a, None) or ()))

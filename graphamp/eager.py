@@ -1,4 +1,13 @@
-"""The user's random state, kept while graphamp runs their model eagerly.
+"""Running the user's model eagerly: from a restored state, under a spec's autocast, compared.
+
+graphamp runs the model eagerly at conversion and check time; every such run goes through this
+module. :func:`state_restored` puts back what a run changes (buffers, parameter objects, Python
+containers, random generators); :func:`outcome` runs a call from that state and returns its
+outputs and, when asked, the parameters' gradients of :func:`fixed_loss`; :func:`difference`
+says in words where two outcomes differ.
+
+The user's random state
+-----------------------
 
 graphamp runs the model at conversion and check time (capture, the self-check, the probe,
 autotune's timing and accuracy check, the backend's eager check, verify, explain, search), and
@@ -29,14 +38,22 @@ generator only. graphamp code reads, seeds and restores generators only through 
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils import _pytree as pytree
 
-__all__ = ["RngState", "rng_kept"]
+from graphamp.spec import AmpSpec, autocast_off
+
+__all__ = [
+    "Outcome", "RngState", "autocast_call", "difference", "difference_without", "equal", "fixed_loss", "fp32_interface", "outcome",
+    "rng_kept", "same_start", "state_restored",
+]
 
 
 class RngState:
@@ -124,3 +141,173 @@ def _initialized_accelerator() -> ModuleType | None:
 def _xla_model() -> Any:
     """``torch_xla.core.xla_model`` where the user's code has loaded it (graphamp never imports it)."""
     return sys.modules.get("torch_xla.core.xla_model")
+
+
+@contextlib.contextmanager
+def state_restored(model: nn.Module, seed: int | None = None) -> Iterator[RngState]:
+    """The model as it was after the block: buffers, parameter and buffer objects, plain Python
+    containers, and every random generator (seeded with ``seed`` unless None); yields the random
+    state the block starts from."""
+    # Every random generator is restored too (graphamp.eager.rng_kept), and seeded with ``seed``
+    # unless it is None; it yields the random state the run starts from.
+    # A forward in training mode updates batch-norm statistics and draws dropout masks; some
+    # models also fill Python caches (timm's LeViT: attention_bias_cache[device] in eval), which
+    # a probe run at compile time must not leave behind: dynamo guarded on their contents.
+    # Only a buffer the run wrote is copied back: a copy_ bumps the version counter, and autograd
+    # refuses a backward through a tensor saved before it (a compile-time probe between a graph's
+    # forward and its backward: Gemma's embed_scale, saved by the embedding graph's multiply).
+    saved = {name: (buf._version, buf.clone()) for name, buf in model.named_buffers()}
+    # Code that assigns a buffer (or parameter) in forward leaves another object in the model,
+    # which a converted module would take for a replaced tensor: the objects go back too.
+    # (Not in a model holding FSDP units, whose forward swaps sharded and gathered parameters by
+    # design and may leave them gathered, nor in TorchScript modules, whose tables are the script's.)
+    modules = list(model.modules())
+    sharded = any(type(m).__name__.startswith("FSDP") for m in modules)
+    tables = [] if sharded else [
+        (table, dict(table)) for m in modules for table in (m._parameters, m._buffers) if isinstance(table, dict)
+    ]
+    containers = [
+        (value, copy.copy(value))
+        for m in model.modules()
+        for key, value in vars(m).items()
+        if not key.startswith("_") and type(value) in (dict, list, set)
+    ]
+    with rng_kept(seed) as start:
+        try:
+            yield start
+        finally:
+            for table, before in tables:
+                for key, value in before.items():
+                    if table.get(key, value) is not value:
+                        table[key] = value
+            with torch.no_grad():
+                for name, buf in model.named_buffers():
+                    # (A kernel's own write, batch norm's running statistics, leaves the version.)
+                    if name in saved and (buf._version != saved[name][0] or _differs(buf, saved[name][1])):
+                        buf.copy_(saved[name][1])
+            for value, before in containers:  # in place: code and guards hold these objects
+                value.clear()
+                value.update(before) if not isinstance(value, list) else value.extend(before)
+
+
+def _differs(now: torch.Tensor, before: torch.Tensor) -> bool:
+    try:
+        return not torch.equal(now, before)
+    except Exception:  # a fake tensor (verify's fake CUDA) has no values to compare: copy it back
+        return True
+
+
+class Outcome:
+    """One run's outputs (detached) and gradients of the fixed loss, by parameter name."""
+
+    def __init__(self, outputs: Any, grads: dict[str, torch.Tensor | None]) -> None:
+        self.outputs = outputs
+        self.grads = grads
+
+
+def autocast_call(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> Any:
+    """``model(*args, **kwargs)`` under eager ``torch.autocast`` as ``spec`` says."""
+    with torch.autocast(spec.device_type, dtype=spec.dtype, cache_enabled=spec.cache_enabled):
+        return model(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def same_start(model: nn.Module) -> Iterator[None]:
+    """Both sides start from the same random state and buffers, and leave both as they found them."""
+    with state_restored(model, seed=0), autocast_off():  # the same dropout masks on each side
+        yield
+
+
+def outcome(call: Callable[[], Any], model: nn.Module, *, grads: bool, no_grad: bool) -> Outcome:
+    """``call()`` run from the model's restored state (:func:`same_start`): its outputs and, with
+    ``grads``, the gradients of :func:`fixed_loss` by parameter name."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad] if grads else []
+    with same_start(model), (torch.no_grad() if no_grad else torch.enable_grad()):
+        out = call()
+        values = {}
+        if named:
+            loss = fixed_loss(out)
+            if loss.requires_grad:
+                found = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+                values = {n: g for (n, _), g in zip(named, found)}
+    return Outcome(pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), values)
+
+
+def fixed_loss(out: Any) -> torch.Tensor:
+    """verify's fixed loss: every floating output, position-weighted, summed in fp32:
+    sum_i (i + 1) * (out_i.float() * linspace(-1, 1)).sum(). Position-dependent weights give every
+    output element a distinct gradient, so a gradient that lands in the wrong place, or is summed in
+    another order, shows."""
+    total = torch.zeros((), dtype=torch.float32)
+    floats = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    for i, t in enumerate(floats):
+        w = torch.linspace(-1, 1, t.numel(), dtype=torch.float32, device=t.device).reshape(t.shape) * (i + 1)
+        total = total + (t.float() * w).sum().to(total.device)
+    return total
+
+
+def fp32_interface(inputs: Any) -> Any:
+    """keep_io_types takes in fp32 the floating inputs the example gave in bf16/fp16 (and casts them
+    back inside, so the values eager saw are the ones the graph sees)."""
+    low = (torch.bfloat16, torch.float16)
+    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in low else t, inputs)
+
+
+def difference_without(
+    model: nn.Module, args: tuple, kwargs: dict, names: tuple[str, ...], spec: AmpSpec, *, grads: bool
+) -> str:
+    """The first difference between eager autocast called with ``kwargs`` and with each of
+    ``names`` passed as None, both from the same state; "" where eager treats them as absent
+    (outputs, dtypes and, with ``grads``, parameter gradients bitwise)."""
+    dropped = {**kwargs, **dict.fromkeys(k for k in names if k in kwargs)}
+    ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=not grads)
+    got = outcome(lambda: autocast_call(model, args, dropped, spec), model, grads=grads, no_grad=not grads)
+    return difference(got, ref, keep_io_types=False)
+
+
+def equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and values, NaN where both are NaN."""
+    return a.shape == b.shape and (torch.equal(a, b) or (a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())))
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape or not a.is_floating_point() or not b.is_floating_point():
+        return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    return f"max abs difference {float((a.double() - b.double()).abs().nan_to_num(float('inf')).max()):.3g}"
+
+
+def _named_leaves(tree: Any) -> list[tuple[str, Any]]:
+    """The leaves with their pytree paths; by position where a registered type has no key paths
+    (diffusers' output classes register no ``flatten_with_keys_fn``)."""
+    try:
+        return [("output" + pytree.keystr(path), leaf) for path, leaf in pytree.tree_leaves_with_path(tree)]
+    except ValueError:
+        return [(f"output leaf {i}", leaf) for i, leaf in enumerate(pytree.tree_leaves(tree))]
+
+
+def difference(got: Outcome, ref: Outcome, *, keep_io_types: bool = False) -> str:
+    """The first difference between two outcomes (``ref`` is eager's), in words; "" if none:
+    values bitwise (NaN where both are NaN), dtypes, and gradients."""
+    got_leaves, ref_leaves = _named_leaves(got.outputs), _named_leaves(ref.outputs)
+    if len(got_leaves) != len(ref_leaves):
+        return f"the output has {len(got_leaves)} leaves, eager's has {len(ref_leaves)}"
+    for (name, a), (_, b) in zip(got_leaves, ref_leaves):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return f"{name} is a {type(a).__name__}, eager's is a {type(b).__name__}"
+        if not isinstance(a, torch.Tensor):
+            if a != b and not (a != a and b != b):  # NaN floats compare unequal to themselves
+                return f"{name} is {a!r}, eager's is {b!r}"
+            continue
+        if keep_io_types and b.dtype in (torch.bfloat16, torch.float16) and a.dtype == torch.float32:
+            b = b.float()  # keep_io_types returns low-precision outputs in fp32, by request
+        if a.dtype != b.dtype:
+            return f"{name} comes back {a.dtype}, eager autocast gives {b.dtype}"
+        if not equal(a, b):
+            return f"{name} differs ({_max_abs(a, b)})"
+    for name, want in ref.grads.items():
+        have = got.grads.get(name)
+        if (have is None) != (want is None):
+            return f"gradient of {name} is {'missing' if have is None else 'present'} where eager's is {'present' if want is not None else 'missing'}"
+        if have is not None and not equal(have, want):
+            return f"gradient of {name} differs ({_max_abs(have, want)})"
+    return ""

@@ -7,13 +7,14 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import importlib
 import inspect
 import io
 import logging
 import pickle
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,14 +35,14 @@ from graphamp.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
 from graphamp.model_state import ModelState
-from graphamp.self_check import SELF_CHECK_META
+from graphamp.eager import difference_without
 from graphamp.shared_state import in_capture
 from graphamp.runtime import (
     _MODEL, _NODE_META, RESTORE_ON_REFUSAL, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module,
     restored_on_refusal,
 )
 
-__all__ = ["AmpModule", "AmpInfo", "emit", "input_signature", "describe_signature"]
+__all__ = ["AmpModule", "AmpInfo", "SelfCheck", "emit", "input_signature", "describe_signature"]
 
 _GUARD = "_graphamp_guard"
 _TRACEABLE = "_graphamp_traceable"  # the forward dynamo traces (recompile)
@@ -58,6 +59,11 @@ ALL_ONES_AS_NONE = "_graphamp_all_ones_as_none"
 ALL_ONES_PROVEN = "_graphamp_all_ones_proven"
 MAX_ALL_ONES_PROVEN = 64  # past this many mask shapes, all-ones masks are passed as given
 _MODEL_STATE = "_graphamp_model_state"  # a ModelState: what the model held at conversion
+# The engine that converts the model again (emit's ``engine``); saved by its qualified name.
+ENGINE = "_graphamp_engine"
+# amp.meta key: what convert's self-check found (a SelfCheck; a plain dict once loaded).
+SELF_CHECK_META = "graphamp.self_check"
+_ENGINE_MODULE, _ENGINE_NAME = "graphamp.pipeline", "reconvert"
 # How many other shape classes one converted module converts for before it refuses: each holds a
 # graph and costs a conversion (seconds), so inputs of ever new shapes should be padded instead.
 MAX_SHAPE_CLASSES = 8
@@ -124,6 +130,20 @@ def input_signature(args: tuple, kwargs: dict) -> tuple[Any, tuple]:
     and values may vary); keyword order does not matter."""
     leaves, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in sorted(kwargs)}))
     return spec, tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfCheck:
+    """What convert's self-check compared and found, kept in ``amp.meta["graphamp.self_check"]``."""
+
+    # True: every output value and dtype (and gradient, if compared) equal to eager autocast's.
+    ok: bool
+    # Whether parameter gradients of a fixed loss were compared too (not for inference=True).
+    grads: bool
+    # Seconds the check took (both runs, and on a difference the search for the divergent node).
+    seconds: float
+    # What differs, empty when ok.
+    problem: str = ""
 
 
 def is_all_ones(value: Any) -> bool:
@@ -271,12 +291,10 @@ class AmpModule(GraphModule):
     def _eager_drops(self, model: nn.Module, args: tuple, kwargs: dict, names: tuple[str, ...]) -> bool:
         """Whether eager autocast gives the same outputs (and, in training, gradients) with these
         all-ones masks as with None for them."""
-        from graphamp.self_check import eager_difference_without  # self_check imports emit
-
         info = self.graphamp_info
         grads = self.training and not info.inference and torch.is_grad_enabled()
         with _training_as(model, self.training):
-            problem = eager_difference_without(model, args, kwargs, names, info.spec(), grads=grads)
+            problem = difference_without(model, args, kwargs, names, info.spec(), grads=grads)
         if problem:
             _log.info(
                 "graphamp: %s keeps an all-ones %s at these shapes (%s): converting with it", type(model).__name__,
@@ -332,39 +350,30 @@ class AmpModule(GraphModule):
         self, model: nn.Module, spec: AmpSpec, training: bool, args: tuple, kwargs: dict, what: str, refused: str = "",
         error: type[Exception] = InputShapeError,
     ) -> AmpModule:
-        """``model`` converted with ``spec`` in the given training mode, checked as convert checked
-        this module (raising, or warning where convert warned)."""
-        from graphamp.convert import _convert  # convert imports emit
-        from graphamp.self_check import applies, checker_for
-
-        checked = self.meta.get(SELF_CHECK_META)
+        """``model`` converted with ``spec`` in the given training mode by the engine this module was
+        emitted with, checked as convert checked this module (raising, or warning where convert
+        warned); a conversion that fails is ``error``, naming ``what`` it was for."""
         # Captured in the grad mode its calls run in: the model's code may read it.
         with _training_as(model, training), torch.inference_mode(False), torch.set_grad_enabled(not spec.grad_free):
             try:
-                variant = _convert(model, args, kwargs, spec)
+                return self._engine()(model, args, kwargs, spec, self.meta.get(SELF_CHECK_META))
+            except PolicyDriftError:
+                raise
             except Exception as failure:
                 raise error(
                     f"{refused}Converting {type(model).__name__} again for {what} failed: {type(failure).__name__}: "
                     f"{str(failure).strip().splitlines()[0][:300]} Way out: check that the model runs eagerly on "
                     "these inputs, in this mode."
                 ) from failure
-            if checked is not None and applies(spec, model, args, kwargs):
-                # A loaded module's record is a plain dict. A graph for calls without grad is
-                # checked as an inference conversion is: forward only, under no_grad.
-                ok = checked["ok"] if isinstance(checked, dict) else checked.ok
-                check_spec = dataclasses.replace(spec, inference=True) if spec.grad_free else spec
-                try:
-                    variant.meta[SELF_CHECK_META] = checker_for(variant)(
-                        variant, model, args, kwargs, check_spec, on_drift="raise" if ok else "warn"
-                    )
-                except PolicyDriftError as drift:
-                    if spec.grad_free:
-                        raise
-                    # As convert: all-ones masks as None, then the capture on values, if exact.
-                    from graphamp.convert import _exact_again
 
-                    variant = _exact_again(model, args, kwargs, spec, drift, None)
-        return variant
+    def _engine(self) -> Callable[..., AmpModule]:
+        """What converts this module's model again: the engine ``emit`` was handed
+        (``graphamp.pipeline.reconvert``); a loaded module finds it by its qualified name (files
+        name only the stable runtime, so the engine can move)."""
+        engine = self.__dict__.get(ENGINE)
+        if engine is None:
+            engine = self.__dict__[ENGINE] = getattr(importlib.import_module(_ENGINE_MODULE), _ENGINE_NAME)
+        return engine
 
     def _check_parameters(self) -> None:
         """Refuse to run where the model no longer holds a parameter or buffer the graph reads
@@ -588,6 +597,7 @@ class AmpModule(GraphModule):
         body.pop(_VARIANTS, None)  # converted again on first use after loading
         body.pop(_MODES, None)
         body.pop(_MODEL_STATE, None)  # taken again from the loaded model
+        body.pop(ENGINE, None)  # files name only the runtime: the loaded module finds the engine by name
         # The model travels so that the loaded module converts again for other shape classes; its
         # parameters are pickled once, as the objects this module shares with it.
         if body.get(_MODEL) is not None and not _picklable(body[_MODEL]):
@@ -690,8 +700,13 @@ def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
     return module, name
 
 
-def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tuple, dict] | None = None) -> AmpModule:
-    """Wrap the rewritten graph as an AmpModule whose state is the model's own parameters and buffers."""
+def emit(
+    gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tuple, dict] | None = None,
+    engine: Callable[..., AmpModule] | None = None,
+) -> AmpModule:
+    """Wrap the rewritten graph as an AmpModule whose state is the model's own parameters and
+    buffers. ``engine`` converts the model again where a call needs another graph (``reconvert(model,
+    args, kwargs, spec, self_check_record)``, from :mod:`graphamp.pipeline`, which calls emit)."""
     graph = gm.graph
     placeholders = graph.find_nodes(op="placeholder")
     guard = _guard_from(gm)
@@ -742,6 +757,8 @@ def emit(gm: GraphModule, model: nn.Module, spec: AmpSpec, *, example: tuple[tup
     if spec.target == "module":
         bind_model(amp, model)
     amp.__dict__["_graphamp_frozen"] = frozen
+    if engine is not None:
+        amp.__dict__[ENGINE] = engine
     if example is not None:
         amp.__dict__["_graphamp_signature"] = input_signature(*example)
         amp.__dict__["_graphamp_arity"] = _plain_arity(*example)

@@ -25,11 +25,13 @@ from graphamp.capture.export import _dynamic_shapes
 from graphamp.capture.kernels import eager_kernel_metas
 from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.config import Config
-from graphamp.convert import _rewrite, check_inputs
+from graphamp.convert import check_inputs
+from graphamp.pipeline import rewrite
 from graphamp.errors import ExportError, GraphampError, PolicyDriftWarning
 from graphamp.passes.export_guards import guards_as_asserts
 from graphamp.runtime import set_grad_enabled
-from graphamp.self_check import _autocast_call, _difference, _run, check_self_check
+from graphamp.self_check import check_self_check
+from graphamp.eager import autocast_call, difference, outcome
 from graphamp.shared_state import capture_lock
 from graphamp.spec import AmpSpec, autocast_off
 
@@ -155,9 +157,9 @@ def verify_export(
     spec = AmpSpec.resolve(model, (args, kwargs), dtype=dtype, device_type=device_type, inference=True, keep_io_types=keep_io_types)
     run_args, run_kwargs = pytree.tree_map_only(torch.Tensor, _as_fp32, (args, kwargs)) if keep_io_types else (args, kwargs)
     module = program.module()
-    ref = _run(lambda: _autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True)
-    got = _run(lambda: module(*run_args, **run_kwargs), model, grads=False, no_grad=True)
-    return _difference(got, ref, keep_io_types=keep_io_types)
+    ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True)
+    got = outcome(lambda: module(*run_args, **run_kwargs), model, grads=False, no_grad=True)
+    return difference(got, ref, keep_io_types=keep_io_types)
 
 
 def _real(model: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -168,7 +170,7 @@ def _real(model: nn.Module, args: tuple, kwargs: dict) -> bool:
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, dynamic: bool) -> torch.export.ExportedProgram:
     """The rewritten graph of ``model`` under ``spec``, exported by torch.export and checked portable."""
-    gm = _rewrite(model, args, kwargs, spec)
+    gm = rewrite(model, args, kwargs, spec)
     # The capture on values checks what the model's code read as it runs (runtime.guard_value); a
     # program may not call graphamp, so those checks become ATen assertions, or the export is refused.
     unexpressed = guards_as_asserts(gm)

@@ -17,6 +17,7 @@ from types import MappingProxyType
 import torch
 
 __all__ = [
+    "DTYPE_ALIASES", "resolve_dtype",
     "Category",
     "Policy",
     "DEVICE_TYPES",
@@ -45,6 +46,32 @@ class Category(str, enum.Enum):
 
 DEVICE_TYPES = ("cpu", "cuda")
 LOW_DTYPES = (torch.bfloat16, torch.float16)
+DTYPE_ALIASES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device_type: str) -> torch.dtype:
+    """The lower-precision dtype to use; None means autocast's default for ``device_type``.
+
+    >>> assert resolve_dtype("fp16", "cpu") is torch.float16 and resolve_dtype(None, "cpu") is torch.bfloat16
+    """
+    if dtype is None:
+        return torch.get_autocast_dtype(device_type)
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in DTYPE_ALIASES:
+            raise ValueError(f"dtype={dtype!r} is not a lower-precision float; use torch.bfloat16 ('bf16') or torch.float16 ('fp16')")
+        return DTYPE_ALIASES[dtype.removeprefix("torch.")]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {type(dtype).__name__}")
+    if dtype not in LOW_DTYPES:
+        kind = "a floating" if dtype.is_floating_point else "not a floating"
+        raise ValueError(
+            f"dtype={dtype} is {kind} dtype autocast can lower to; use torch.bfloat16 or torch.float16"
+        )
+    return dtype
+
 
 _L, _F, _S, _A, _P, _B = (
     Category.LOWER_PRECISION_FP,

@@ -11,7 +11,6 @@ afterwards, so the probe leaves no trace on the model.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from graphamp.eager import RngState, rng_kept
+from graphamp.eager import state_restored
 
 __all__ = ["SdpaCall", "eager_sdpa_calls"]
 
@@ -51,57 +50,6 @@ class _RecordSdpa(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def _state_restored(model: nn.Module, seed: int | None = None) -> Iterator[RngState]:
-    # Every random generator is restored too (graphamp.eager.rng_kept), and seeded with ``seed``
-    # unless it is None; it yields the random state the run starts from.
-    # A forward in training mode updates batch-norm statistics and draws dropout masks; some
-    # models also fill Python caches (timm's LeViT: attention_bias_cache[device] in eval), which
-    # a probe run at compile time must not leave behind: dynamo guarded on their contents.
-    # Only a buffer the run wrote is copied back: a copy_ bumps the version counter, and autograd
-    # refuses a backward through a tensor saved before it (a compile-time probe between a graph's
-    # forward and its backward: Gemma's embed_scale, saved by the embedding graph's multiply).
-    saved = {name: (buf._version, buf.clone()) for name, buf in model.named_buffers()}
-    # Code that assigns a buffer (or parameter) in forward leaves another object in the model,
-    # which a converted module would take for a replaced tensor: the objects go back too.
-    # (Not in a model holding FSDP units, whose forward swaps sharded and gathered parameters by
-    # design and may leave them gathered, nor in TorchScript modules, whose tables are the script's.)
-    modules = list(model.modules())
-    sharded = any(type(m).__name__.startswith("FSDP") for m in modules)
-    tables = [] if sharded else [
-        (table, dict(table)) for m in modules for table in (m._parameters, m._buffers) if isinstance(table, dict)
-    ]
-    containers = [
-        (value, copy.copy(value))
-        for m in model.modules()
-        for key, value in vars(m).items()
-        if not key.startswith("_") and type(value) in (dict, list, set)
-    ]
-    with rng_kept(seed) as start:
-        try:
-            yield start
-        finally:
-            for table, before in tables:
-                for key, value in before.items():
-                    if table.get(key, value) is not value:
-                        table[key] = value
-            with torch.no_grad():
-                for name, buf in model.named_buffers():
-                    # (A kernel's own write, batch norm's running statistics, leaves the version.)
-                    if name in saved and (buf._version != saved[name][0] or _differs(buf, saved[name][1])):
-                        buf.copy_(saved[name][1])
-            for value, before in containers:  # in place: code and guards hold these objects
-                value.clear()
-                value.update(before) if not isinstance(value, list) else value.extend(before)
-
-
-def _differs(now: torch.Tensor, before: torch.Tensor) -> bool:
-    try:
-        return not torch.equal(now, before)
-    except Exception:  # a fake tensor (verify's fake CUDA) has no values to compare: copy it back
-        return True
-
-
 def eager_sdpa_calls(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> list[SdpaCall] | None:
     """The model's SDPA calls under eager autocast on this example, in order; None if it fails.
 
@@ -117,7 +65,7 @@ def eager_sdpa_calls(model: nn.Module, args: tuple, kwargs: dict, *, device_type
 
     recorder = _RecordSdpa()
     try:
-        with _state_restored(model), torch.no_grad(), ambient_autocast(device_type, dtype), recorder:
+        with state_restored(model), torch.no_grad(), ambient_autocast(device_type, dtype), recorder:
             model(*args, **kwargs)
     except Exception:
         # The probe is advisory: a model that cannot run here keeps its traced attention.

@@ -31,7 +31,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from graphamp.config import Config
-from graphamp.convert import _convert, check_inputs
+from graphamp.convert import check_inputs
+from graphamp.pipeline import build
 from graphamp.eager import rng_kept
 from graphamp.errors import SearchError, SearchWarning
 from graphamp.explain import Explanation, _explain
@@ -190,7 +191,7 @@ class _Search:
     def trial(self, kept: tuple[str, ...], why: str) -> bool:
         start = time.perf_counter()
         spec = dataclasses.replace(self.spec, config=self._config(kept))
-        amp = _convert(self.model, self.args, self.kwargs, spec)
+        amp = build(self.model, self.args, self.kwargs, spec)
         run = run_side_by_side(amp, self.model, self.args, self.kwargs)
         explanation = _explain(self.model, amp, self.args, self.kwargs, spec, run=run)
         outputs = run[1]

@@ -13,41 +13,25 @@ what differs and the first divergent node that :func:`graphamp.verify` finds; it
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from graphamp.emit import SelfCheck
 from graphamp.errors import PolicyDriftError, PolicyDriftWarning
-from graphamp.probe import _state_restored
-from graphamp.spec import AmpSpec, autocast_off
+from graphamp.eager import Outcome, autocast_call, difference, equal, fp32_interface, outcome, same_start
+from graphamp.spec import AmpSpec
 
-__all__ = ["SELF_CHECKS", "SELF_CHECK_META", "SelfCheck", "check_against_eager", "check_self_check", "checker_for"]
+__all__ = ["SELF_CHECKS", "check_against_eager", "check_self_check", "checker_for"]
 
 # "raise": a difference raises PolicyDriftError; "warn": it warns PolicyDriftWarning and the module
 # is returned; "off": no check (for users who convert in a loop and verify once).
 SELF_CHECKS = ("raise", "warn", "off")
-SELF_CHECK_META = "graphamp.self_check"
-
-
-@dataclasses.dataclass(frozen=True)
-class SelfCheck:
-    """What convert's self-check compared and found, kept in ``amp.meta["graphamp.self_check"]``."""
-
-    # True: every output value and dtype (and gradient, if compared) equal to eager autocast's.
-    ok: bool
-    # Whether parameter gradients of a fixed loss were compared too (not for inference=True).
-    grads: bool
-    # Seconds the check took (both runs, and on a difference the search for the divergent node).
-    seconds: float
-    # What differs, empty when ok.
-    problem: str = ""
 
 
 def check_self_check(self_check: object) -> str:
@@ -95,27 +79,27 @@ def check_against_eager(
     start = time.perf_counter()
     grads = not spec.inference and any(p.requires_grad for p in model.parameters())
     try:
-        ref = _run(lambda: _autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=spec.inference)
+        ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=spec.inference)
     except Exception as e:  # the model itself cannot run eagerly here: nothing to compare against
         problem = f"not checked: eager autocast could not run the example ({type(e).__name__}: {str(e).strip()[:200]})"
         warnings.warn(f"graphamp.convert's self-check was skipped: {problem}", PolicyDriftWarning, stacklevel=3)
         return SelfCheck(ok=True, grads=False, seconds=time.perf_counter() - start, problem=problem)
     try:
-        amp_args, amp_kwargs = _fp32_interface((args, kwargs)) if spec.keep_io_types else (args, kwargs)
-        got = _run(lambda: amp(*amp_args, **amp_kwargs), model, grads=grads, no_grad=spec.inference)
+        amp_args, amp_kwargs = fp32_interface((args, kwargs)) if spec.keep_io_types else (args, kwargs)
+        got = outcome(lambda: amp(*amp_args, **amp_kwargs), model, grads=grads, no_grad=spec.inference)
     except Exception as e:
         raise PolicyDriftError(
             f"graphamp.convert's self-check: the converted {type(model).__name__} fails on the example that eager "
             f"autocast runs ({type(e).__name__}: {str(e).strip()[:300]}). This is a graphamp bug; please report it. "
             "Way out meanwhile: torch.compile(model, backend=\"graphamp\"), or eager torch.autocast."
         ) from e
-    problem = _difference(got, ref, keep_io_types=spec.keep_io_types)
+    problem = difference(got, ref, keep_io_types=spec.keep_io_types)
     if not problem and not spec.inference:
         # Inference usually runs under no_grad, where kernels may choose by requires_grad
         # (matmul's fold): the forward is compared there too.
-        ref = _run(lambda: _autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True)
-        got = _run(lambda: amp(*amp_args, **amp_kwargs), model, grads=False, no_grad=True)
-        problem = _difference(got, ref, keep_io_types=spec.keep_io_types)
+        ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True)
+        got = outcome(lambda: amp(*amp_args, **amp_kwargs), model, grads=False, no_grad=True)
+        problem = difference(got, ref, keep_io_types=spec.keep_io_types)
         if problem:
             # Exact with grad, which is what the graph holds; eager takes another path only without
             # grad (a fused inference kernel, or one that reads requires_grad): said, not refused.
@@ -190,7 +174,7 @@ def _first_sentence(reason: str) -> str:
 
 
 def _torch_compile_verdict(
-    amp: nn.Module, got: _Side, ref: _Side, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, grads: bool
+    amp: nn.Module, got: Outcome, ref: Outcome, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, grads: bool
 ) -> str:
     """Whether plain torch.compile differs from eager as convert's dynamo fallback does, in words:
     bit for bit the same, or in every gradient the fallback differs in (and more); empty otherwise."""
@@ -202,17 +186,17 @@ def _torch_compile_verdict(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            theirs = _run(lambda: _autocast_call(compiled, args, kwargs, spec), model, grads=grads, no_grad=spec.inference)
+            theirs = outcome(lambda: autocast_call(compiled, args, kwargs, spec), model, grads=grads, no_grad=spec.inference)
     except Exception:  # torch.compile alone cannot run it: no comparison, the generic message stands
         return ""
-    if not _difference(got, theirs, keep_io_types=False):
+    if not difference(got, theirs, keep_io_types=False):
         what = "outputs and gradients" if grads else "outputs"
         return (
             f"{_PLAIN_COMPILE} gives bit for bit the same {what} as this module: the difference is "
             "torch.compile's own, not graphamp's casts."
         )
     ours, plain = _differing_grads(got, ref), _differing_grads(theirs, ref)
-    if _difference(got, _Side(ref.outputs, {}), keep_io_types=False) or not ours or not ours <= plain:
+    if difference(got, Outcome(ref.outputs, {}), keep_io_types=False) or not ours or not ours <= plain:
         return ""
     return (
         f"{_PLAIN_COMPILE} differs from eager autocast in every gradient this module differs in ({len(ours)} "
@@ -221,11 +205,11 @@ def _torch_compile_verdict(
     )
 
 
-def _differing_grads(side: _Side, ref: _Side) -> set[str]:
+def _differing_grads(side: Outcome, ref: Outcome) -> set[str]:
     """The parameters whose gradient on ``side`` is not bitwise eager's."""
     return {
         name for name, want in ref.grads.items()
-        if (side.grads.get(name) is None) != (want is None) or (want is not None and not _equal(side.grads[name], want))
+        if (side.grads.get(name) is None) != (want is None) or (want is not None and not equal(side.grads[name], want))
     }
 
 
@@ -277,122 +261,11 @@ def _eager_sdpa_masks(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec
             return func(*a, **k)
 
     try:
-        with _same_start(model), torch.no_grad(), Record():
-            _autocast_call(model, args, kwargs, spec)
+        with same_start(model), torch.no_grad(), Record():
+            autocast_call(model, args, kwargs, spec)
     except Exception:  # naming the call is a courtesy; the difference is already established
         return None
     return calls
-
-
-class _Side:
-    """One side's outputs (detached) and gradients of the fixed loss, by parameter name."""
-
-    def __init__(self, outputs: Any, grads: dict[str, torch.Tensor | None]) -> None:
-        self.outputs = outputs
-        self.grads = grads
-
-
-def _fp32_interface(inputs: Any) -> Any:
-    """keep_io_types takes in fp32 the floating inputs the example gave in bf16/fp16 (and casts them
-    back inside, so the values eager saw are the ones the graph sees)."""
-    low = (torch.bfloat16, torch.float16)
-    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in low else t, inputs)
-
-
-def eager_difference_without(
-    model: nn.Module, args: tuple, kwargs: dict, names: tuple[str, ...], spec: AmpSpec, *, grads: bool
-) -> str:
-    """The first difference between eager autocast called with ``kwargs`` and with each of
-    ``names`` passed as None, both from the same state; "" where eager treats them as absent
-    (outputs, dtypes and, with ``grads``, parameter gradients bitwise)."""
-    dropped = {**kwargs, **dict.fromkeys(k for k in names if k in kwargs)}
-    ref = _run(lambda: _autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=not grads)
-    got = _run(lambda: _autocast_call(model, args, dropped, spec), model, grads=grads, no_grad=not grads)
-    return _difference(got, ref, keep_io_types=False)
-
-
-def _autocast_call(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> Any:
-    with torch.autocast(spec.device_type, dtype=spec.dtype, cache_enabled=spec.cache_enabled):
-        return model(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _same_start(model: nn.Module) -> Iterator[None]:
-    """Both sides start from the same random state and buffers, and leave both as they found them."""
-    with _state_restored(model, seed=0), autocast_off():  # the same dropout masks on each side
-        yield
-
-
-def _run(call: Callable[[], Any], model: nn.Module, *, grads: bool, no_grad: bool) -> _Side:
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad] if grads else []
-    with _same_start(model), (torch.no_grad() if no_grad else torch.enable_grad()):
-        out = call()
-        values = {}
-        if named:
-            loss = _loss(out)
-            if loss.requires_grad:
-                found = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-                values = {n: g for (n, _), g in zip(named, found)}
-    return _Side(pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), values)
-
-
-def _loss(out: Any) -> torch.Tensor:
-    """verify's fixed loss: every floating output, position-weighted, summed in fp32:
-    sum_i (i + 1) * (out_i.float() * linspace(-1, 1)).sum(). Position-dependent weights give every
-    output element a distinct gradient, so a gradient that lands in the wrong place, or is summed in
-    another order, shows."""
-    total = torch.zeros((), dtype=torch.float32)
-    floats = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    for i, t in enumerate(floats):
-        w = torch.linspace(-1, 1, t.numel(), dtype=torch.float32, device=t.device).reshape(t.shape) * (i + 1)
-        total = total + (t.float() * w).sum().to(total.device)
-    return total
-
-
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and (torch.equal(a, b) or (a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())))
-
-
-def _max_abs(a: torch.Tensor, b: torch.Tensor) -> str:
-    if a.shape != b.shape or not a.is_floating_point() or not b.is_floating_point():
-        return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
-    return f"max abs difference {float((a.double() - b.double()).abs().nan_to_num(float('inf')).max()):.3g}"
-
-
-def _named_leaves(tree: Any) -> list[tuple[str, Any]]:
-    """The leaves with their pytree paths; by position where a registered type has no key paths
-    (diffusers' output classes register no ``flatten_with_keys_fn``)."""
-    try:
-        return [("output" + pytree.keystr(path), leaf) for path, leaf in pytree.tree_leaves_with_path(tree)]
-    except ValueError:
-        return [(f"output leaf {i}", leaf) for i, leaf in enumerate(pytree.tree_leaves(tree))]
-
-
-def _difference(got: _Side, ref: _Side, *, keep_io_types: bool) -> str:
-    """The first difference between the two sides, in words; empty if none."""
-    got_leaves, ref_leaves = _named_leaves(got.outputs), _named_leaves(ref.outputs)
-    if len(got_leaves) != len(ref_leaves):
-        return f"the output has {len(got_leaves)} leaves, eager's has {len(ref_leaves)}"
-    for (name, a), (_, b) in zip(got_leaves, ref_leaves):
-        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
-            return f"{name} is a {type(a).__name__}, eager's is a {type(b).__name__}"
-        if not isinstance(a, torch.Tensor):
-            if a != b and not (a != a and b != b):  # NaN floats compare unequal to themselves
-                return f"{name} is {a!r}, eager's is {b!r}"
-            continue
-        if keep_io_types and b.dtype in (torch.bfloat16, torch.float16) and a.dtype == torch.float32:
-            b = b.float()  # keep_io_types returns low-precision outputs in fp32, by request
-        if a.dtype != b.dtype:
-            return f"{name} comes back {a.dtype}, eager autocast gives {b.dtype}"
-        if not _equal(a, b):
-            return f"{name} differs ({_max_abs(a, b)})"
-    for name, want in ref.grads.items():
-        have = got.grads.get(name)
-        if (have is None) != (want is None):
-            return f"gradient of {name} is {'missing' if have is None else 'present'} where eager's is {'present' if want is not None else 'missing'}"
-        if have is not None and not _equal(have, want):
-            return f"gradient of {name} differs ({_max_abs(have, want)})"
-    return ""
 
 
 def _first_divergence(
@@ -400,7 +273,7 @@ def _first_divergence(
 ) -> tuple[str, bool]:
     """verify's first divergent node of this very conversion, as a sentence, and whether ops ran
     on one side only (the capture took another path than eager)."""
-    from graphamp.verify import _verify
+    from graphamp.verify.check import check  # verify imports the engine, which imports this module
 
     if no_grad:  # verify runs both sides with grad, where they agree: it has nothing to locate
         return "", False
@@ -413,7 +286,7 @@ def _first_divergence(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            report = _verify(
+            report = check(
                 model, args, kwargs, dtype=spec.dtype, device_type=spec.device_type, mode=spec.mode, config=spec.config,
                 grads=grads, amp=amp,
             )

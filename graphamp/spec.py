@@ -18,51 +18,24 @@ from torch.utils import _pytree as pytree
 
 from graphamp.config import Config
 from graphamp.errors import DeviceMismatchError
-from graphamp.policy import DEVICE_TYPES, LOW_DTYPES, Policy, get_policy
+from graphamp.policy import DEVICE_TYPES, Policy, get_policy, resolve_dtype
 from graphamp.runtime import AutocastState, autocast_state
 
 __all__ = [
     "AmpSpec",
     "ambient_autocast",
-    "DTYPE_ALIASES",
     "MODES",
     "TARGETS",
     "autocast_off",
     "check_device",
     "infer_device_type",
     "resolve_device_type",
-    "resolve_dtype",
 ]
 
 MODES = ("exact", "autotune")
 TARGETS = ("module", "aot", "export")
 
 # The one table of dtype spellings every frontend and the CLI accept.
-DTYPE_ALIASES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
-
-
-def resolve_dtype(dtype: torch.dtype | str | None, device_type: str) -> torch.dtype:
-    """The lower-precision dtype to use; None means autocast's default for ``device_type``.
-
-    >>> assert resolve_dtype("fp16", "cpu") is torch.float16 and resolve_dtype(None, "cpu") is torch.bfloat16
-    """
-    if dtype is None:
-        return torch.get_autocast_dtype(device_type)
-    if isinstance(dtype, str):
-        if dtype.removeprefix("torch.") not in DTYPE_ALIASES:
-            raise ValueError(f"dtype={dtype!r} is not a lower-precision float; use torch.bfloat16 ('bf16') or torch.float16 ('fp16')")
-        return DTYPE_ALIASES[dtype.removeprefix("torch.")]
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {type(dtype).__name__}")
-    if dtype not in LOW_DTYPES:
-        kind = "a floating" if dtype.is_floating_point else "not a floating"
-        raise ValueError(
-            f"dtype={dtype} is {kind} dtype autocast can lower to; use torch.bfloat16 or torch.float16"
-        )
-    return dtype
 
 
 def _tensors(model: nn.Module, inputs: Any) -> list[torch.Tensor]:

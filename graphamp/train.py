@@ -30,13 +30,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
 from graphamp.config import Config
-from graphamp.convert import _convert
-from graphamp.emit import AmpModule
+from graphamp.pipeline import build
+from graphamp.emit import SELF_CHECK_META, AmpModule
 from graphamp.errors import InputMismatchError
 from graphamp.passes.autotune import PLAN_META
-from graphamp.probe import _state_restored, attribute_bound
+from graphamp.probe import attribute_bound
+from graphamp.eager import state_restored
 from graphamp.runtime import grad_casts_kept
-from graphamp.self_check import SELF_CHECK_META, applies, check_against_eager, check_self_check
+from graphamp.self_check import applies, check_against_eager, check_self_check
 from graphamp.spec import AmpSpec, autocast_off, check_device
 
 __all__ = ["TrainStep", "LossModule", "SCALER_MODES"]
@@ -390,7 +391,7 @@ class TrainStep:
         wrapper = LossModule(self.inner, self.loss_fn)
         inputs = (args, kwargs, target)
         check_device(self.spec.device_type, wrapper, inputs)
-        amp = _convert(wrapper, inputs, {}, self.spec)
+        amp = build(wrapper, inputs, {}, self.spec)
         if self.on_drift != "off" and applies(self.spec, wrapper, inputs, {}):
             # A model with FSDP2 units is converted unit by unit, and checked with FSDP's hooks.
             from graphamp.integrations import fsdp
@@ -515,6 +516,6 @@ def _compiled_for_training_now(program: AmpModule, model: nn.Module, args: tuple
     from graphamp.compiled import compiled_for_training
 
     compiled = compiled_for_training(program)
-    with _state_restored(model):
+    with state_restored(model):
         compiled(*args, **kwargs)
     return compiled

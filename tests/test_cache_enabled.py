@@ -18,7 +18,7 @@ import graphamp
 from graphamp import Config
 from graphamp.backend.options import BackendOptions
 from graphamp.errors import OptionError
-from graphamp.self_check import SELF_CHECK_META
+from graphamp.emit import SELF_CHECK_META
 from graphamp.verify.reference import count_casts, trace
 from helpers import TransposedProjection, float_leaves
 

@@ -32,7 +32,7 @@ def _by_values(model: nn.Module, args: tuple, dtype: torch.dtype = torch.bfloat1
     export's or the dynamo fallback's program differs; these models the fallback runs exactly)."""
     import dataclasses
 
-    from graphamp.convert import _convert
+    from graphamp.pipeline import build as _convert
     from graphamp.spec import AmpSpec
 
     spec = dataclasses.replace(AmpSpec.resolve(model, (args, {}), dtype=dtype), capture="values")

@@ -239,7 +239,7 @@ def test_without_the_fallback_the_all_ones_mask_really_differs() -> None:
     model = DropsAllOnesMask().train()
     (ids, mask), _ = _inputs(padded=False)
     with pytest.raises(PolicyDriftError, match="softmax"):
-        from graphamp.convert import _convert
+        from graphamp.pipeline import build as _convert
         from graphamp.self_check import checker_for
         from graphamp.spec import AmpSpec
 

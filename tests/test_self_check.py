@@ -12,11 +12,18 @@ from torch import nn
 
 import graphamp
 from graphamp.config import Config
-from graphamp.self_check import SELF_CHECK_META
+from graphamp.emit import SELF_CHECK_META
 from helpers import TransposedProjection
 
 # graphamp.convert is the function; the module is graphamp's conversion core.
 convert_module = sys.modules["graphamp.convert"]
+pipeline_module = sys.modules["graphamp.pipeline"]
+
+
+def _patch_build(monkeypatch: pytest.MonkeyPatch, build) -> None:
+    """Make every conversion (convert's own and the engine's fallbacks) call ``build``."""
+    for module in (convert_module, pipeline_module):
+        monkeypatch.setattr(module, "build", build)
 
 
 class Block(nn.Module):
@@ -58,13 +65,13 @@ def test_the_check_leaves_the_model_and_random_state_alone() -> None:
 def _with_wrong_policy(monkeypatch: pytest.MonkeyPatch, overrides: dict) -> None:
     """Make the conversion core build a graph under another policy than the one checked: a stand-in
     for a graphamp bug, which the self-check must catch without knowing where it is."""
-    real = convert_module._convert
+    real = pipeline_module.build
 
     def wrong(model, args, kwargs, spec, **kw):
         bad = dataclasses.replace(spec, config=Config(op_overrides=overrides))
         return real(model, args, kwargs, bad, **kw)
 
-    monkeypatch.setattr(convert_module, "_convert", wrong)
+    _patch_build(monkeypatch, wrong)
 
 
 class ExpThenLinear(nn.Module):
@@ -100,7 +107,7 @@ def test_a_dtype_difference_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_gradient_only_difference_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = convert_module._convert
+    real = pipeline_module.build
 
     def detached_weight(model, args, kwargs, spec, **kw):
         amp = real(model, args, kwargs, spec, **kw)
@@ -112,7 +119,7 @@ def test_a_gradient_only_difference_raises(monkeypatch: pytest.MonkeyPatch) -> N
         amp.recompile()
         return amp
 
-    monkeypatch.setattr(convert_module, "_convert", detached_weight)
+    _patch_build(monkeypatch, detached_weight)
     with pytest.raises(graphamp.PolicyDriftError, match=r"gradient of .*weight is missing"):
         graphamp.convert(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (_x(),))
 
@@ -156,12 +163,12 @@ def test_trainstep_checks_its_first_call(monkeypatch: pytest.MonkeyPatch) -> Non
     assert step.module.meta[SELF_CHECK_META].ok and step.module.meta[SELF_CHECK_META].grads
 
     train_module = sys.modules["graphamp.train"]
-    real = train_module._convert
+    real = train_module.build
 
     def wrong(model, args, kwargs, spec, **kw):
         return real(model, args, kwargs, dataclasses.replace(spec, config=Config(op_overrides={"layer_norm": "lower_precision_fp"})), **kw)
 
-    monkeypatch.setattr(train_module, "_convert", wrong)
+    monkeypatch.setattr(train_module, "build", wrong)
     model = Block()
     before = [p.detach().clone() for p in model.parameters()]
     step = graphamp.TrainStep(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.float16)

@@ -6,7 +6,8 @@ from torch import nn
 
 import graphamp
 from graphamp.passes import Pass, build_pipeline, run_passes
-from graphamp.spec import AmpSpec, DTYPE_ALIASES, autocast_off
+from graphamp.policy import DTYPE_ALIASES
+from graphamp.spec import AmpSpec, autocast_off
 from helpers import captured
 
 

@@ -40,9 +40,9 @@ from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.config import Config
 from graphamp.errors import EagerPathWarning, OptionError, PolicyDriftError
 from graphamp.passes import build_pipeline, check_dtypes, run_passes
-from graphamp.policy import DEVICE_TYPES
+from graphamp.policy import DEVICE_TYPES, resolve_dtype
 from graphamp.shared_state import capture_lock
-from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type, resolve_dtype
+from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type
 from graphamp.backend.options import BackendOptions
 from graphamp.backend.eager_dtypes import _ends_at_graph_break, follow_eager_dtypes
 from graphamp.backend.eager_regions import follow_eager_regions

@@ -34,9 +34,9 @@ from graphamp.backend.eager_dtypes import _ends_at_graph_break
 from graphamp.backend.observe import (
     EagerRun, Frame, _modules_reached, eager_backward, frame_name, returned_outputs, under_dynamo,
 )
-from graphamp.eager import rng_kept
+from graphamp.eager import fixed_loss, rng_kept
 from graphamp.errors import CheckSkippedWarning, EagerPathWarning
-from graphamp.self_check import _loss
+from graphamp.eager import fixed_loss
 from graphamp.spec import autocast_off
 
 __all__ = ["Where", "check_outputs", "flat_pairs", "output_difference"]
@@ -373,7 +373,7 @@ def _check_gradients(
     try:
         with autocast_off(), torch.enable_grad(), rng_kept(seed=0), _backward_compile_metrics():
             got = _flat(run(*graph_inputs))
-            total = _loss([got[j] for j, _ in pairs])
+            total = fixed_loss([got[j] for j, _ in pairs])
             got_grads = (
                 list(torch.autograd.grad(total, graph_targets, allow_unused=True))
                 if total.requires_grad else None
@@ -384,7 +384,7 @@ def _check_gradients(
         return
     try:
         result, want_grads = eager_backward(
-            frame, substitutes, eager_targets, lambda r: _loss([w.get(r) for _, w in pairs]),
+            frame, substitutes, eager_targets, lambda r: fixed_loss([w.get(r) for _, w in pairs]),
             device_type=device_type, dtype=dtype, cache_enabled=cache_enabled,
         )
     except Exception as e:

@@ -35,7 +35,8 @@ from torch.utils import _pytree as pytree
 
 from graphamp.errors import EagerPathWarning
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
-from graphamp.probe import SdpaCall, _state_restored, eager_sdpa_calls
+from graphamp.probe import SdpaCall, eager_sdpa_calls
+from graphamp.eager import state_restored
 from graphamp.spec import ambient_autocast, autocast_off
 
 __all__ = [
@@ -342,7 +343,7 @@ def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cach
     region = ambient_autocast(device_type, dtype, cache_enabled=cache_enabled) if dtype is not None else contextlib.nullcontext()
     try:
         args, kwargs = _fresh_arguments(frame)
-        with _state_restored(call, seed=0), torch.no_grad(), region, recorder:
+        with state_restored(call, seed=0), torch.no_grad(), region, recorder:
             result = call(*args, **kwargs)
     except Exception:  # advisory, as the attention probe: code that cannot run here is not judged
         return None
@@ -372,7 +373,7 @@ def eager_backward(
     )
     args, kwargs = _fresh_arguments(Frame(frame.fn, *swapped))
     targets = list(wrt)
-    with _state_restored(call, seed=0), torch.enable_grad():
+    with state_restored(call, seed=0), torch.enable_grad():
         with ambient_autocast(device_type, dtype, cache_enabled=cache_enabled):
             result = call(*args, **kwargs)
         with autocast_off():

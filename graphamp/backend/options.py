@@ -12,7 +12,8 @@ import torch
 from graphamp.config import Config
 from graphamp.errors import OptionError
 from graphamp.policy import DEVICE_TYPES
-from graphamp.spec import MODES, resolve_dtype
+from graphamp.policy import resolve_dtype
+from graphamp.spec import MODES
 
 INNER_COMPILERS = ("inductor", "eager")
 

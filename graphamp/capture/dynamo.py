@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from graphamp.errors import CaptureError
-from graphamp.probe import _state_restored
+from graphamp.eager import state_restored
 from graphamp.spec import AmpSpec, ambient_autocast
 
 __all__ = ["DynamoAmpModule", "dynamo_fallback", "needs_graph_breaks"]
@@ -38,7 +38,7 @@ def dynamo_fallback(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, 
         raise refused
     amp = DynamoAmpModule(model, spec, reason=str(refused))
     try:
-        with _state_restored(model), torch.inference_mode(False):
+        with state_restored(model), torch.inference_mode(False):
             amp(*args, **kwargs)
     except Exception as e:
         where = _user_frame(e)

@@ -122,7 +122,7 @@ def capture_by_values(
     the model's own attributes, the inputs' and outputs' pytree), every size static."""
     from graphamp.capture import CAPTURED_STATIC, SIZE_CONDITIONS
     from graphamp.capture.functions import _bind_kept_functions
-    from graphamp.probe import _state_restored
+    from graphamp.eager import state_restored
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
@@ -143,7 +143,7 @@ def capture_by_values(
     rng = RngState()
     try:
         with (
-            capture_lock(), _state_restored(model), ambient_autocast(device_type, dtype), keeper,
+            capture_lock(), state_restored(model), ambient_autocast(device_type, dtype), keeper,
             torch.enable_grad() if grads else contextlib.nullcontext(), one_fake_mode_while_tracing((state, flat)),
         ):
             traced = make_fx(
@@ -294,7 +294,7 @@ def _guard_reads(gm: GraphModule, reads: list[_Read], values_of: Callable[[list[
 def _run_for_values(gm: GraphModule, flat: list[Any], rng: RngState, model: nn.Module, device_type: str, dtype: torch.dtype) -> Callable[[list[Node]], dict[Node, Any]]:
     """What ``_guard_reads`` asks for: the value each of some nodes had, from the graph run once more
     on the example from the trace's random state (its changes to the model put back)."""
-    from graphamp.probe import _state_restored
+    from graphamp.eager import state_restored
 
     def values_of(nodes: list[Node]) -> dict[Node, Any]:
         wanted, found = set(nodes), {}
@@ -307,7 +307,7 @@ def _run_for_values(gm: GraphModule, flat: list[Any], rng: RngState, model: nn.M
                 return out
 
         try:
-            with _state_restored(model), ambient_autocast(device_type, dtype), torch.no_grad():
+            with state_restored(model), ambient_autocast(device_type, dtype), torch.no_grad():
                 rng.restore()
                 Recording(gm).run(*flat)
         except Exception as e:
@@ -499,10 +499,10 @@ def _size_free(node: Node) -> bool:
 def eager_reads(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> list[_Read]:
     """The tensor values the model's Python reads when eager autocast runs it on the example (one
     forward without grad; the model's state put back)."""
-    from graphamp.probe import _state_restored
+    from graphamp.eager import state_restored
 
     reads = _ValueReads()
-    with _state_restored(model), ambient_autocast(device_type, dtype), torch.no_grad(), reads:
+    with state_restored(model), ambient_autocast(device_type, dtype), torch.no_grad(), reads:
         model(*args, **kwargs)
     return reads.reads
 

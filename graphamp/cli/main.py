@@ -10,7 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from graphamp.cli import bench as bench_cli
-from graphamp.spec import DTYPE_ALIASES
+from graphamp.policy import DTYPE_ALIASES
 from graphamp.cli import verify as verify_cli
 from graphamp.cli import explain as explain_cli
 from graphamp.cli import search as search_cli

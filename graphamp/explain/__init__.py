@@ -21,8 +21,10 @@ from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from graphamp.config import Config
-from graphamp.convert import _convert, check_inputs
+from graphamp.convert import check_inputs
+from graphamp.pipeline import build
 from graphamp.emit import AmpModule
+from graphamp.explain.html import render
 from graphamp.explain.numerics import LOW, GradNumerics, NodeNumerics, cast_target, finite, grad_underflow, record_of, run_side_by_side
 from graphamp.spec import AmpSpec
 from graphamp.verify.report import _errors
@@ -143,8 +145,6 @@ class Explanation:
     def to_html(self, path: str | os.PathLike | None = None) -> str:
         """One self-contained page (no network): the module tree coloured by precision, per-module
         error bars, the overflow marked, a searchable table of the nodes. Written to ``path`` if given."""
-        from graphamp.explain.html import render
-
         text = render(self)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
@@ -250,7 +250,7 @@ def explain(
     if not isinstance(numerics, bool) or not isinstance(grads, bool):
         raise TypeError("numerics and grads must be True or False")
     spec = AmpSpec.resolve(model, (args, kwargs), dtype=dtype, device_type=device_type, config=config)
-    amp = _convert(model, args, kwargs, spec)
+    amp = build(model, args, kwargs, spec)
     run = run_side_by_side(amp, model, args, kwargs) if numerics else None
     return _explain(model, amp, args, kwargs, spec, run=run, grads=grads)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import html
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from graphamp.explain import Explanation, ModuleRecord, NodeRecord
+# The records rendered (graphamp.explain's Explanation, ModuleRecord, NodeRecord) are read by
+# attribute; this module does not import them, so that explain can import it.
+Explanation = ModuleRecord = NodeRecord = Any
 
 __all__ = ["render"]
 

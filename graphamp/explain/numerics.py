@@ -240,10 +240,10 @@ class GradNumerics:
 
 
 def _grads(call: Any, params: list[nn.Parameter], scale: float, seed: int) -> list[torch.Tensor | None]:
-    from graphamp.self_check import _loss
+    from graphamp.eager import fixed_loss
 
     with rng_kept(seed):
-        loss = _loss(call()) * scale
+        loss = fixed_loss(call()) * scale
     if not loss.requires_grad:
         return [None] * len(params)
     # autograd.grad, not backward(): the model's .grad fields stay untouched.

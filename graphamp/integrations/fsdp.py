@@ -23,7 +23,7 @@ import contextvars
 import dataclasses
 import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ _FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard"
 # of composable APIs (torch.distributed._composable.checkpoint): none is in use unless imported.
 _CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 _COMPOSABLE_CONTRACT = "torch.distributed._composable.contract"
-# Set while the units are being converted: _convert converts each unit as a plain module then, and
+# Set while the units are being converted: the engine converts each unit as a plain module then, and
 # each nested unit's call is recorded as one node instead of running.
 _CONVERTING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_fsdp_converting", default=False)
 # Set while a converted graph runs on its example: each nested unit records the inputs it gets.
@@ -375,11 +375,11 @@ def _record_nested(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict) 
     traced one: Hugging Face builds an explicit attention mask when traced, none in eager SDPA).
     Nested units run their own eager forward under eager's autocast state there; the model's
     buffers and the random state are restored after."""
-    from graphamp.probe import _state_restored
+    from graphamp.eager import state_restored
 
     token = _RECORDING.set(True)
     try:
-        with _state_restored(model), torch.no_grad():
+        with state_restored(model), torch.no_grad():
             amp(*args, **kwargs)
     finally:
         _RECORDING.reset(token)
@@ -388,7 +388,7 @@ def _record_nested(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict) 
 def _eager_inputs(model: nn.Module, units: list[nn.Module], args: tuple, kwargs: dict, spec: AmpSpec) -> dict[int, tuple]:
     """Each unit's inputs in one eager autocast forward of the example (with FSDP's hooks); the
     model's buffers and the random state are restored after."""
-    from graphamp.probe import _state_restored
+    from graphamp.eager import state_restored
     from graphamp.spec import ambient_autocast
 
     seen: dict[int, tuple] = {}
@@ -400,7 +400,7 @@ def _eager_inputs(model: nn.Module, units: list[nn.Module], args: tuple, kwargs:
     # Registered after FSDP's pre-hook (which is prepended): the inputs as the forward sees them.
     handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in units]
     try:
-        with _state_restored(model), torch.no_grad(), ambient_autocast(spec.device_type, spec.dtype):
+        with state_restored(model), torch.no_grad(), ambient_autocast(spec.device_type, spec.dtype):
             model(*args, **kwargs)
     finally:
         for handle in handles:
@@ -429,7 +429,10 @@ def _eager_view(module: nn.Module, eager: tuple[tuple, dict] | None) -> Iterator
         yield
 
 
-def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> nn.Module:
+def convert_sharded(
+    model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None,
+    build: Callable[..., nn.Module],
+) -> nn.Module:
     """Convert a model holding FSDP2 units: ``model`` with its outermost units as nested calls,
     then each unit on its own, outer units first, each with the inputs its enclosing graph passes
     it on the example. Returns ``model``'s converted module (an AmpModule); its parameters are the
@@ -439,8 +442,6 @@ def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, 
     gathers every unit's parameters for the capture and for one run of each graph on its example,
     then frees them again.
     """
-    from graphamp.convert import _convert  # convert dispatches here
-
     named = sharded_units(model)
     # Refused before any capture or collective: every rank refuses alike, none waits for the others.
     _check_units(named)
@@ -455,7 +456,7 @@ def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, 
     try:
         with _fsdp_hooks_off(modules), _converting():
             with _stubbed(_nested(model, units, include_self=True)):
-                top = _convert(model, args, kwargs, spec, check=check)
+                top = build(model, args, kwargs, spec, check=check)
             _describe_unit_calls(top)
             _record_nested(top, model, args, kwargs)
             for _, m in named:  # a unit before the units inside it
@@ -470,7 +471,7 @@ def convert_sharded(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, 
                 nested = _nested(m, units)
                 try:
                     with _stubbed(nested), _eager_view(m, eager.get(id(m))):
-                        amp = _convert(m, unit_args, unit_kwargs, spec, check=check)
+                        amp = build(m, unit_args, unit_kwargs, spec, check=check)
                 except GraphampError as e:
                     raise _in_unit(e, unit) from e
                 _describe_unit_calls(amp)
@@ -565,39 +566,32 @@ def self_check(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec
     import torch.distributed as dist
 
     from graphamp.errors import PolicyDriftError, PolicyDriftWarning
-    from graphamp.self_check import (
-        SelfCheck,
-        _autocast_call,
-        _difference,
-        _fp32_interface,
-        _loss,
-        _same_start,
-        _Side,
-    )
+    from graphamp.emit import SelfCheck
+    from graphamp.eager import Outcome, autocast_call, difference, fixed_loss, fp32_interface, same_start
 
     start = time.perf_counter()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     saved = [p.grad for _, p in named]
 
-    def run(call: Any) -> _Side:
+    def run(call: Any) -> Outcome:
         for _, p in named:
             p.grad = None
-        with _same_start(model), torch.enable_grad():
+        with same_start(model), torch.enable_grad():
             out = call()
-            loss = _loss(out)
+            loss = fixed_loss(out)
             if loss.requires_grad:
                 loss.backward()
         grads = {n: _local(p.grad) for n, p in named}
-        return _Side(pytree.tree_map_only(torch.Tensor, lambda t: _local(t.detach()), out), grads)
+        return Outcome(pytree.tree_map_only(torch.Tensor, lambda t: _local(t.detach()), out), grads)
 
-    amp_args, amp_kwargs = _fp32_interface((args, kwargs)) if spec.keep_io_types else (args, kwargs)
+    amp_args, amp_kwargs = fp32_interface((args, kwargs)) if spec.keep_io_types else (args, kwargs)
     try:
-        ref = run(lambda: _autocast_call(model, args, kwargs, spec))
+        ref = run(lambda: autocast_call(model, args, kwargs, spec))
         got = run(lambda: amp(*amp_args, **amp_kwargs))
     finally:
         for (_, p), grad in zip(named, saved):
             p.grad = grad
-    problem = _difference(got, ref, keep_io_types=spec.keep_io_types)
+    problem = difference(got, ref, keep_io_types=spec.keep_io_types)
     if dist.is_available() and dist.is_initialized():
         flag = torch.tensor([1 if problem else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -44,7 +44,7 @@ from graphamp.eager import rng_kept
 from graphamp.emit import input_signature
 from graphamp.errors import OptionError, PolicyDriftWarning
 from graphamp.policy import DEVICE_TYPES
-from graphamp.self_check import SELF_CHECK_META
+from graphamp.emit import SELF_CHECK_META
 
 try:
     import pytorch_lightning as pl

@@ -49,7 +49,8 @@ from graphamp.backend.options import BackendOptions
 from graphamp.config import Config
 from graphamp.eager import rng_kept
 from graphamp.errors import CaptureError, InputMismatchError, OptionError
-from graphamp.spec import autocast_off, resolve_dtype
+from graphamp.policy import resolve_dtype
+from graphamp.spec import autocast_off
 
 try:
     import transformers

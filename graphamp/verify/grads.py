@@ -21,7 +21,7 @@ from graphamp.emit import AmpModule
 from graphamp.passes.graph_edit import is_graphamp_cast
 from graphamp.node_info import peek
 from graphamp.policy import short_dtype
-from graphamp.self_check import _loss  # the fixed loss both sides backpropagate
+from graphamp.eager import fixed_loss  # the fixed loss both sides backpropagate
 from graphamp.verify.report import GradCheck, GradDivergence, _equal_nan, _errors
 from graphamp.verify.signatures import _is_passthrough, _op_name, _type_name
 from graphamp.eager import rng_kept
@@ -107,12 +107,12 @@ class _GradRun(NamedTuple):
 
 
 def _grad_run(call: Callable[[tuple, dict], Any], model: nn.Module, args: tuple, kwargs: dict, recorder: _OpRecorder | None = None) -> _GradRun:
-    """One forward of ``call`` and the gradients of :func:`_loss`, leaving every ``.grad`` alone."""
+    """One forward of ``call`` and the gradients of :func:`fixed_loss`, leaving every ``.grad`` alone."""
     a, k, inputs = _grad_inputs(args, kwargs)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with recorder if recorder is not None else contextlib.nullcontext():
         out = call(a, k)
-    loss = _loss(out)
+    loss = fixed_loss(out)
     observed = recorder.observable() if recorder is not None else []
     wrt = [p for _, p in params] + [t for _, t in inputs] + [t for *_, t in observed]
     # autograd.grad, not backward(): the caller's .grad fields (and the model's) stay untouched.

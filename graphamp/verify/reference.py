@@ -24,7 +24,6 @@ from torch.utils import _pytree as pytree
 
 from graphamp.spec import ambient_autocast
 from graphamp.config import Config
-from graphamp.convert import _convert as convert_core
 from graphamp.eager import rng_kept
 from graphamp.emit import AmpModule
 from graphamp.errors import PolicyDriftError
@@ -113,16 +112,19 @@ def _count_casts(gm: GraphModule) -> int:
 
 
 def _convert(
-    model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, device_type: str, mode: str, config: Config | None
+    model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, device_type: str, mode: str, config: Config | None,
+    build: Callable[..., AmpModule] | None,
 ) -> tuple[AmpModule, list[str]]:
+    if build is None:
+        raise ValueError("verify's check needs a conversion to check (amp) or the engine to make one (build)")
     spec = AmpSpec(device_type, dtype, mode, config=config or Config())
     try:
-        return convert_core(model, args, kwargs, spec), []
+        return build(model, args, kwargs, spec), []
     except PolicyDriftError as e:
         # Convert's own check stops at the first drifted node; rebuild without it so the report
         # can say where and how the result differs from eager.
         note = f"graphamp.convert raised PolicyDriftError: {str(e).splitlines()[0][:300]}"
-        return convert_core(model, args, kwargs, spec, check=False), [note]
+        return build(model, args, kwargs, spec, check=False), [note]
 
 
 def _uses_real_cuda(model: nn.Module, inputs: Any) -> bool:
@@ -141,9 +143,9 @@ class _Sides(NamedTuple):
 
 def _run_real(
     model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, device_type: str, mode: str, config: Config | None,
-    amp: AmpModule | None = None,
+    amp: AmpModule | None = None, build: Callable[..., AmpModule] | None = None,
 ) -> _Sides:
-    amp, notes = (amp, []) if amp is not None else _convert(model, args, kwargs, dtype, device_type, mode, config)
+    amp, notes = (amp, []) if amp is not None else _convert(model, args, kwargs, dtype, device_type, mode, config, build)
     cache_enabled = (config or Config()).cache_enabled
     # Same random stream on both sides, so dropout draws the same masks.
     with rng_kept() as start, torch.enable_grad():
@@ -158,7 +160,10 @@ def _run_real(
     return _Sides(amp, out, ref, graphamp_graph, eager_graph, notes)
 
 
-def _run_fake_cuda(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, mode: str, config: Config | None) -> _Sides:
+def _run_fake_cuda(
+    model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, mode: str, config: Config | None,
+    build: Callable[..., AmpModule] | None = None,
+) -> _Sides:
     from graphamp.verify.fake_cuda import fake_cuda_inputs, fake_cuda_model, fake_cuda_session
 
     with fake_cuda_session(), warnings.catch_warnings():
@@ -166,7 +171,7 @@ def _run_fake_cuda(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dty
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
         fake_model = fake_cuda_model(model)
         fake_args, fake_kwargs = fake_cuda_inputs(args, kwargs)
-        amp, notes = _convert(fake_model, fake_args, fake_kwargs, dtype, "cuda", mode, config)
+        amp, notes = _convert(fake_model, fake_args, fake_kwargs, dtype, "cuda", mode, config, build)
         cache_enabled = (config or Config()).cache_enabled
         with ambient_autocast("cuda", dtype, cache_enabled=cache_enabled):
             ref = fake_model(*fake_args, **fake_kwargs)
