@@ -36,7 +36,6 @@ from graphamp.backend.observe import (
 )
 from graphamp.eager import fixed_loss, rng_kept
 from graphamp.errors import CheckSkippedWarning, EagerPathWarning
-from graphamp.eager import fixed_loss
 from graphamp.spec import autocast_off
 
 __all__ = ["Where", "check_outputs", "flat_pairs", "output_difference"]

@@ -23,7 +23,6 @@ import os
 import re
 import sys
 import types
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -33,10 +32,9 @@ from torch.fx import GraphModule
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from graphamp.errors import EagerPathWarning
+from graphamp.eager import state_restored
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
 from graphamp.probe import SdpaCall, eager_sdpa_calls
-from graphamp.eager import state_restored
 from graphamp.spec import ambient_autocast, autocast_off
 
 __all__ = [
