@@ -1233,15 +1233,25 @@ def print_summary(path: Path, *, markdown: bool = False, file: Any = None) -> No
             print(f"- [{n}] {msg}", file=file)
 
 
-def markdown_table(s: dict[str, Any]) -> str:
+def markdown_table(s: dict[str, Any], *, named_rule: bool = True) -> str:
+    """The summary as markdown: one row per check that ran (the checks this results file holds no
+    result of are named below the table, not shown as zeros). ``named_rule``: the file counts a
+    difference as reported only where graphamp named it; else it used the older, looser rule (any
+    graphamp warning), which the text says."""
     n = s["eager_runs"]
+    ran = {check: counts for check, counts in s["table"].items() if any(counts.get(k, 0) for k in KINDS)}
     lines = [f"| of {n} models eager runs (% of them) | bitwise | differ, silent | differ, reported | error, silent | error, reported | skipped | timeout/crash |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for check, counts in s["table"].items():
+    for check, counts in ran.items():
         lines.append(f"| {check} | " + " | ".join(_cell(counts.get(k, 0), n) for k in KINDS) + " |")
     lines.append("")
-    lines.append(f"Silent (differ or error graphamp did not report): {len(s['silent_models'])} models; reported "
-                 f"(a typed graphamp error, or a graphamp warning naming the differing output or gradient): {len(s['reported_models'])} models.")
+    missing = [check for check in s["table"] if check not in ran]
+    if missing:
+        lines.append(f"Not run in this results file: {', '.join(missing)}.")
+    rule = ("a typed graphamp error, or a graphamp warning naming the differing output or gradient" if named_rule else
+            "counted by the older rule: a typed graphamp error, or any graphamp warning other than the emulated-precision one")
+    lines.append(f"Silent (differ or error graphamp did not report): {len(s['silent_models'])} models; reported ({rule}): "
+                 f"{len(s['reported_models'])} models.")
     if s["timeouts"]:
         lines.append("Time-outs: " + ", ".join(f"{k} {v}" for k, v in sorted(s["timeouts"].items())) + ".")
     return "\n".join(lines)

@@ -254,7 +254,7 @@ def census(path: Path) -> tuple[str, str]:
         fam[r.get("family")] = fam.get(r.get("family"), 0) + 1
     text = (f"{s['models']} models ({', '.join(f'{k} {n}' for k, n in sorted(fam.items()))}); eager autocast runs on "
             f"{s['eager_runs']} (the others cannot be built or run generically and are counted apart).\n\n"
-            + census_tool.markdown_table(s))
+            + census_tool.markdown_table(s, named_rule=head.get("reported_rule") == census_tool.REPORTED_RULE))
     return machine, text
 
 

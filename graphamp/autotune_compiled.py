@@ -31,6 +31,10 @@ from graphamp.passes.autotune import PLAN_META
 from graphamp.plan import AutotunePlan
 from graphamp.policy import short_dtype
 from graphamp.spec import AmpSpec
+from graphamp.autotune.accuracy import checked_params, errors_against_fp32
+from graphamp.compiled import compile_converted
+from graphamp.eager import state_restored
+from graphamp.pipeline import replay
 
 __all__ = ["MARGIN", "candidate_plans", "fastest_compiled", "pick", "ratios_to_plan", "time_programs"]
 
@@ -75,11 +79,6 @@ def fastest_compiled(
     """The fastest of ``amp``'s compiled program and the candidates' (see the module's doc), timed
     on the example: forward, and backward to the parameters where the conversion keeps gradients.
     ``compile_fn(program, model, args, kwargs)`` compiles one (default: ``convert(compile=True)``'s)."""
-    from graphamp.compiled import compile_converted
-    from graphamp.autotune.accuracy import checked_params, errors_against_fp32
-    from graphamp.pipeline import replay
-    from graphamp.eager import state_restored
-
     compile_fn = compile_fn or compile_converted
 
     plan = amp.meta[PLAN_META]
@@ -150,9 +149,6 @@ def _cpp_wrapper_if_faster(
     """``program`` compiled again with inductor's C++ wrapper (the call's Python glue compiled
     too: 0.93x on the bench's 1 ms checkerboard, nothing on BERT), kept where it times faster
     than ``cm`` by the same rule as the candidates; the choice is added to ``notes``."""
-    from graphamp.compiled import compile_converted
-    from graphamp.eager import state_restored
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -66,6 +66,8 @@ from graphamp.compiled import inductor_freezing
 from graphamp.testing import zoo
 from graphamp.verify.reference import count_casts, lowered_graph
 from graphamp.policy import DTYPE_ALIASES
+from graphamp import autotune_compiled, bench_limits
+from graphamp.plan import AutotunePlan
 
 __all__ = ["ALTERNATIVES", "BENCH_MODELS", "DEFAULT_MODELS", "PURE_LOW", "VARIANTS", "Row", "build_case", "default_variants", "recommendation", "run"]
 
@@ -231,8 +233,6 @@ def _faster_with_cpp_wrapper(
 ) -> tuple[Callable[[], Any], str]:
     """``call``, or the same program built with inductor's C++ wrapper where that times faster, by the
     rule graphamp's autotune applies to its own (:mod:`graphamp.autotune_compiled`)."""
-    from graphamp import autotune_compiled
-
     cpp = compiled_call({"cpp_wrapper": True})
     steps = {"plan": as_step(call, ()), "C++ wrapper": as_step(cpp, ())}
     for step in steps.values():
@@ -295,8 +295,6 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype, *, cpp_wr
         call = lambda: amp(*args, **kwargs)  # noqa: E731
         return _Variant(as_step(call, model.parameters()), call, call)
     if name == "graphamp_autotune":
-        from graphamp.plan import AutotunePlan
-
         amp = graphamp.convert(model, args, kwargs, dtype=dtype, mode="autotune", inference=task == "infer")
         call = lambda: amp(*args, **kwargs)  # noqa: E731
         variant = _Variant(as_step(call, model.parameters()), call, call)
@@ -332,8 +330,6 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype, *, cpp_wr
         call = lambda: compiled(*args, **kwargs)  # noqa: E731
         return _Variant(as_step(call, model.parameters()), call, None)
     if name in ("graphamp_compiled", "graphamp_autotune_compiled"):
-        from graphamp.plan import AutotunePlan
-
         inference = task == "infer"
         mode = "autotune" if name == "graphamp_autotune_compiled" else "exact"
         cm = graphamp.convert(model, args, kwargs, dtype=dtype, inference=inference, mode=mode, compile=True)
@@ -345,8 +341,6 @@ def _prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype, *, cpp_wr
             variant.note = f"{AutotunePlan.of(getattr(cm, 'amp', cm)).summary()}; {variant.note}"
         return variant
     if name in TRAIN_ONLY:
-        from graphamp.plan import AutotunePlan
-
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         mode = "autotune" if "autotune" in name else "exact"
         step = graphamp.TrainStep(model, lambda out, target: _loss(out), opt, dtype=dtype, compile=name.endswith("_compiled"), mode=mode)
@@ -608,8 +602,6 @@ def _add_limits(model_rows: dict[str, Row], prepared: dict[str, _Variant], case:
     """Set ``limits`` on the fastest row at autocast's accuracy or better: the matmul-only bound of
     a step (its matmul FLOPs, counted on an uncompiled fp32 copy, at this CPU's large-GEMM rate) and
     how far that row is from it (:func:`graphamp.bench_limits.limits_line`)."""
-    from graphamp import bench_limits
-
     ok = [r for r in model_rows.values() if r.status == "ok" and r.median_ms and r.variant not in PURE_LOW and r.variant in prepared]
     if not ok:
         return

@@ -39,6 +39,9 @@ from graphamp.errors import CompileError, CompileFallbackWarning, GraphampError,
 from graphamp.runtime import RESTORE_ON_REFUSAL, compiled_guards, restored_on_refusal
 from graphamp.shared_state import compile_scoped
 from graphamp.spec import autocast_off
+from graphamp.eager import autocast_call, outcome, state_restored
+from graphamp.passes.recompute_masks import RecomputeMasks
+from graphamp.probe import attribute_bound
 
 __all__ = [
     "CompileError", "CompileFallbackWarning", "CompiledAmpModule", "CompiledOptimizerStep", "Drift", "compile_converted",
@@ -94,8 +97,6 @@ class Drift:
 def inductor_patches(**patches: Any) -> dict[str, Any]:
     """Inductor config patches for graphamp's compiled graphs: ``patches`` plus the joint-graph pass
     that keeps boolean masks out of saved activations (:mod:`graphamp.passes.recompute_masks`)."""
-    from graphamp.passes.recompute_masks import RecomputeMasks
-
     return {"joint_custom_pre_pass": RecomputeMasks(), **patches}
 
 
@@ -397,8 +398,6 @@ def measure_drift(cm: CompiledAmpModule, model: nn.Module, args: tuple = (), kwa
     numbers in its forward (dropout in training mode) is not comparable value by value: inductor
     draws them from its own generator; the result says so instead of reporting a meaningless error.
     """
-    from graphamp.eager import autocast_call, outcome
-
     kwargs = dict(kwargs or {})
     info = cm.amp.graphamp_info
     random = _random_ops(cm.amp) if info.training else []
@@ -458,8 +457,6 @@ def compile_converted(
     """``amp`` compiled, and compiled now: the example runs through it once (model state restored
     after), which is where a failure to compile raises :class:`CompileError`; its difference from
     eager autocast on the example is kept in ``.drift``."""
-    from graphamp.eager import state_restored
-
     if not isinstance(amp, AmpModule):  # the dynamo fallback (graph breaks): already torch.compile'd
         warnings.warn(
             f"graphamp.convert(compile=True): {type(model).__name__} needed dynamo's graph breaks, so it runs "
@@ -511,8 +508,6 @@ def _dtypes_follow_converted(cm: CompiledAmpModule, amp: AmpModule, model: nn.Mo
     module on the example. In exact mode those are eager autocast's; ``mode="autotune"`` may
     return others by design (a raised ``lm_head`` returns fp32 logits), which
     is the converted program, not inductor running another one."""
-    from graphamp.eager import outcome
-
     if amp.graphamp_info.mode == "exact":
         return False  # the converted module's dtypes are eager autocast's, which the compiled ones miss
     no_grad = amp.graphamp_info.inference
@@ -576,6 +571,4 @@ class CompiledOptimizerStep:
 
     def bound(self) -> Any:
         """A context in which ``optimizer.step`` is this compiled step."""
-        from graphamp.probe import attribute_bound
-
         return attribute_bound(self.optimizer, "step", self)

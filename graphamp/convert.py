@@ -18,6 +18,9 @@ from graphamp.passes.autotune import PLAN_META
 from graphamp.pipeline import build, exact_again, self_checked
 from graphamp.self_check import applies, check_self_check
 from graphamp.spec import AmpSpec
+from graphamp.autotune_compiled import fastest_compiled
+from graphamp.compiled import compile_converted
+from graphamp.integrations import fsdp
 
 __all__ = ["convert", "check_inputs"]
 
@@ -91,7 +94,6 @@ def convert(
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r}")
     if compile:  # refused for a sharded model before anything is captured (or gathered)
-        from graphamp.integrations import fsdp
 
         fsdp.refuse_compile(model, "graphamp.convert")
     on_drift = check_self_check(self_check)
@@ -124,11 +126,7 @@ def convert(
         except PolicyDriftError as drift:
             amp = exact_again(model, args, kwargs, spec, drift, refused, first=amp)
     if compile:
-        from graphamp.compiled import compile_converted
-
         if spec.mode == "autotune" and spec.config.plan is None and isinstance(amp, AmpModule) and PLAN_META in amp.meta:
-            from graphamp.autotune_compiled import fastest_compiled
-
             return fastest_compiled(amp, model, args, kwargs, spec)
         return compile_converted(amp, model, args, kwargs)
     return amp

@@ -42,6 +42,7 @@ from graphamp.probe import eager_sdpa_calls
 from graphamp.self_check import applies, check_against_eager, checker_for
 from graphamp.shared_state import capture_lock
 from graphamp.spec import AmpSpec, autocast_off
+from graphamp.integrations import fsdp
 
 _log = logging.getLogger("graphamp")
 
@@ -66,8 +67,6 @@ def build(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: 
     report where it differs). A model holding FSDP2 (``fully_shard``) units is converted unit by
     unit (:mod:`graphamp.integrations.fsdp`).
     """
-    from graphamp.integrations import fsdp  # lazy: torch.distributed is imported only for sharded models
-
     if fsdp.is_sharded(model):
         return fsdp.convert_sharded(model, args, kwargs, spec, check=check, build=build)
     with autocast_off():

@@ -20,6 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from graphamp.eager import state_restored
+from graphamp.spec import ambient_autocast
 
 __all__ = ["SdpaCall", "eager_sdpa_calls"]
 
@@ -61,8 +62,6 @@ def eager_sdpa_calls(model: nn.Module, args: tuple, kwargs: dict, *, device_type
     >>> q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
     >>> assert eager_sdpa_calls(Attn(), (q, kv, kv), {}, device_type="cpu", dtype=torch.bfloat16) == [SdpaCall(True, 2)]
     """
-    from graphamp.spec import ambient_autocast
-
     recorder = _RecordSdpa()
     try:
         with state_restored(model), torch.no_grad(), ambient_autocast(device_type, dtype), recorder:

@@ -26,6 +26,8 @@ from graphamp.emit import SelfCheck
 from graphamp.errors import PolicyDriftError, PolicyDriftWarning
 from graphamp.eager import Outcome, autocast_call, difference, equal, fp32_interface, outcome, same_start
 from graphamp.spec import AmpSpec
+from graphamp.capture.dynamo import DynamoAmpModule
+from graphamp.integrations.fsdp import self_check
 
 __all__ = ["SELF_CHECKS", "check_against_eager", "check_self_check", "checker_for"]
 
@@ -60,8 +62,6 @@ def checker_for(amp: nn.Module) -> Callable[..., SelfCheck]:
     """:func:`check_against_eager`, or, for a module converted unit by unit on an FSDP2 model,
     :func:`graphamp.integrations.fsdp.self_check` (backward through FSDP, gradient shards compared)."""
     if "graphamp.fsdp" in getattr(amp, "meta", {}):
-        from graphamp.integrations.fsdp import self_check
-
         return self_check
     return check_against_eager
 
@@ -178,8 +178,6 @@ def _torch_compile_verdict(
 ) -> str:
     """Whether plain torch.compile differs from eager as convert's dynamo fallback does, in words:
     bit for bit the same, or in every gradient the fallback differs in (and more); empty otherwise."""
-    from graphamp.capture.dynamo import DynamoAmpModule
-
     if not isinstance(amp, DynamoAmpModule):
         return ""
     compiled = torch.compile(model, backend="aot_eager")

@@ -39,6 +39,9 @@ from graphamp.eager import state_restored
 from graphamp.runtime import grad_casts_kept
 from graphamp.self_check import applies, check_against_eager, check_self_check
 from graphamp.spec import AmpSpec, autocast_off, check_device
+from graphamp.autotune_compiled import fastest_compiled
+from graphamp.compiled import CompiledOptimizerStep, compiled_for_training
+from graphamp.integrations import fsdp
 
 __all__ = ["TrainStep", "LossModule", "SCALER_MODES"]
 
@@ -313,7 +316,6 @@ class TrainStep:
         self.model = model
         self.inner = model.module if isinstance(model, DistributedDataParallel) else model
         if compile:  # refused for a sharded model here, before any step gathers or captures
-            from graphamp.integrations import fsdp
 
             fsdp.refuse_compile(self.inner, "graphamp.TrainStep")
         self.loss_fn = loss_fn
@@ -378,8 +380,6 @@ class TrainStep:
             self.stepped = last
             if last:
                 if self.compile and self._compiled_step is None:
-                    from graphamp.compiled import CompiledOptimizerStep
-
                     self._compiled_step = CompiledOptimizerStep(self.optimizer)
                 with self._compiled_step.bound() if self.compile else contextlib.nullcontext():
                     self._step()
@@ -394,13 +394,10 @@ class TrainStep:
         amp = build(wrapper, inputs, {}, self.spec)
         if self.on_drift != "off" and applies(self.spec, wrapper, inputs, {}):
             # A model with FSDP2 units is converted unit by unit, and checked with FSDP's hooks.
-            from graphamp.integrations import fsdp
 
             check = fsdp.self_check if fsdp.FSDP_META in amp.meta else check_against_eager
             amp.meta[SELF_CHECK_META] = check(amp, wrapper, inputs, {}, self.spec, on_drift=self.on_drift)
         if self.compile and self.spec.mode == "autotune" and self.spec.config.plan is None and PLAN_META in amp.meta:
-            from graphamp.autotune_compiled import fastest_compiled
-
             self._compiled = fastest_compiled(amp, wrapper, inputs, {}, self.spec, compile_fn=_compiled_for_training_now)
             amp = getattr(self._compiled, "amp", self._compiled)
         return amp
@@ -409,8 +406,6 @@ class TrainStep:
         module = self.module
         if self.compile:
             if self._compiled is None:
-                from graphamp.compiled import compiled_for_training
-
                 self._compiled = compiled_for_training(module)
             module = self._compiled
         if isinstance(self.model, DistributedDataParallel):
@@ -430,8 +425,6 @@ class TrainStep:
         (``runtime.grad_casts_kept``): the same values and gradients as eager's recasts. Not for the
         compiled step (inductor fuses the casts) nor FSDP2 units (which refill gathered parameters
         in place each forward)."""
-        from graphamp.integrations import fsdp
-
         if self.accumulate == 1 or self.compile or fsdp.FSDP_META in self.module.meta:
             return contextlib.nullcontext()
         return grad_casts_kept(self._window_casts)
@@ -513,8 +506,6 @@ class TrainStep:
 def _compiled_for_training_now(program: AmpModule, model: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
     """``TrainStep(compile=True)``'s compiled model-and-loss for ``program``, its forward compiled
     now (on the example, the model's state restored after)."""
-    from graphamp.compiled import compiled_for_training
-
     compiled = compiled_for_training(program)
     with state_restored(model):
         compiled(*args, **kwargs)

@@ -54,6 +54,7 @@ from graphamp.backend.retrace import _retrace
 from graphamp.backend.fill_values import check_fill_values
 from graphamp.backend.options import INNER_COMPILERS
 from graphamp.backend.weight_casts import share_parameter_casts
+from graphamp.compiled import inductor_patches
 
 
 __all__ = ["BackendOptions", "INNER_COMPILERS", "graphamp_backend", "rewrite"]
@@ -217,7 +218,6 @@ def _hand_off(amp_gm: GraphModule, example_inputs: Sequence[Any], inner: str, mo
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    from graphamp.compiled import inductor_patches
 
     return compile_fx(amp_gm, list(example_inputs), config_patches=inductor_patches(**(list_mode_options(mode) if mode else {})))
 

@@ -82,7 +82,7 @@ class DynamoAmpModule(nn.Module):
     def _compiled(self) -> Any:
         compiled = self.__dict__["_graphamp_compiled"]
         if compiled is None:
-            from graphamp.backend import graphamp_backend
+            from graphamp.backend import graphamp_backend  # lazy: graphamp imports this module before the backend, which imports capture
 
             spec = self.graphamp_spec
             options = {"dtype": spec.dtype, "device_type": spec.device_type, "mode": spec.mode, "inner": "eager"}

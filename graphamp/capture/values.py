@@ -43,6 +43,10 @@ from graphamp.errors import CaptureError
 from graphamp.node_info import info
 from graphamp.runtime import RESTORE_ON_REFUSAL, Slot, fill, guard_size, guard_value
 from graphamp.spec import ambient_autocast
+from graphamp.capture import CAPTURED_STATIC, SIZE_CONDITIONS
+from graphamp.capture.functions import _bind_kept_functions
+from graphamp.eager import state_restored
+from graphamp.passes.graph_edit import ancestors, fake_mode_of, recompute_val
 
 __all__ = ["capture_by_values"]
 
@@ -120,10 +124,6 @@ def capture_by_values(
     """The graph of eager's program on this example, traced on its values under autocast(device_type,
     dtype), with guards on what it follows; in the form ``capture`` returns (parameters and buffers as
     the model's own attributes, the inputs' and outputs' pytree), every size static."""
-    from graphamp.capture import CAPTURED_STATIC, SIZE_CONDITIONS
-    from graphamp.capture.functions import _bind_kept_functions
-    from graphamp.eager import state_restored
-
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
     flat, in_spec = pytree.tree_flatten((args, kwargs))
@@ -294,8 +294,6 @@ def _guard_reads(gm: GraphModule, reads: list[_Read], values_of: Callable[[list[
 def _run_for_values(gm: GraphModule, flat: list[Any], rng: RngState, model: nn.Module, device_type: str, dtype: torch.dtype) -> Callable[[list[Node]], dict[Node, Any]]:
     """What ``_guard_reads`` asks for: the value each of some nodes had, from the graph run once more
     on the example from the trace's random state (its changes to the model put back)."""
-    from graphamp.eager import state_restored
-
     def values_of(nodes: list[Node]) -> dict[Node, Any]:
         wanted, found = set(nodes), {}
 
@@ -396,8 +394,6 @@ def _guards_first(gm: GraphModule) -> None:
     state themselves (DETR checks ``isfinite`` after dropout) stays; the module then saves what the
     graph changes (buffers updated in place, the random state) and puts it back when a call is
     refused (``gm.meta[RESTORE_ON_REFUSAL]``)."""
-    from graphamp.passes.graph_edit import ancestors
-
     graph = gm.graph
     changes = [n for n in graph.nodes if _changes_state(n)]
     if not changes:
@@ -499,8 +495,6 @@ def _size_free(node: Node) -> bool:
 def eager_reads(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> list[_Read]:
     """The tensor values the model's Python reads when eager autocast runs it on the example (one
     forward without grad; the model's state put back)."""
-    from graphamp.eager import state_restored
-
     reads = _ValueReads()
     with state_restored(model), ambient_autocast(device_type, dtype), torch.no_grad(), reads:
         model(*args, **kwargs)
@@ -515,8 +509,6 @@ def guard_eager_reads(
     trace did not, so the graph is eager's program only for inputs whose reads give the example's
     values. A failing guard makes the module convert again for those inputs. Returns where eager
     reads values that no such guard can check (the caller warns)."""
-    from graphamp.passes.graph_edit import ancestors, fake_mode_of, recompute_val
-
     if not eager_reads(model, args, kwargs, device_type=device_type, dtype=dtype):
         return []
     try:
@@ -618,8 +610,6 @@ def _program(gm: GraphModule) -> list[tuple]:
 
 def _attribute(gm: GraphModule, traced: GraphModule, target: str, anchor: Node) -> Node:
     """A get_attr in ``gm`` for ``traced``'s attribute: the model's own, or a constant copied over."""
-    from graphamp.passes.graph_edit import fake_mode_of
-
     value = operator.attrgetter(target)(traced)
     try:
         mine = operator.attrgetter(target)(gm)

@@ -9,10 +9,12 @@ import platform
 
 import torch
 
+from graphamp import bench
+from graphamp.bench import BENCH_MODELS, DEFAULT_MODELS, TASKS, VARIANTS
+from graphamp.hardware import capability
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from graphamp.bench import BENCH_MODELS, DEFAULT_MODELS, TASKS, VARIANTS
-
     p = sub.add_parser("bench", help="compare graphamp with eager autocast and the alternatives")
     p.add_argument(
         "--model", nargs="+", default=list(DEFAULT_MODELS), metavar="MODEL",
@@ -40,8 +42,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from graphamp import bench
-
     for name in args.model:
         if name not in bench.BENCH_MODELS and ":" not in name:
             raise SystemExit(
@@ -53,7 +53,6 @@ def main(args: argparse.Namespace) -> int:
         rows = bench.run(args.model, task=args.task, dtype=args.dtype, variants=variants, rounds=args.rounds, limits=args.limits or args.all)
     except (ValueError, TypeError, ImportError) as e:  # a model that cannot be built: say why, no traceback
         raise SystemExit(f"graphamp bench: {e}") from e
-    from graphamp.hardware import capability
 
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     print(f"graphamp bench: task={args.task} dtype={args.dtype} ({machine})")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from graphamp.testing import zoo
+
 __all__ = ["add_model_arguments", "load_model"]
 
 MODEL_HELP = "built-in model name (graphamp.testing.zoo) or module:factory returning (model, args[, kwargs]) or a zoo Case"
@@ -21,8 +23,6 @@ def add_model_arguments(p: argparse.ArgumentParser, *, dtype_default: str | None
 
 def load_model(args: argparse.Namespace) -> tuple[Any, tuple, dict]:
     """The model (in train mode with --train, else eval) and its example inputs."""
-    from graphamp.testing import zoo
-
     case = zoo.build(args.model)
     model = case.model.train(bool(getattr(args, "train", False)))
     inputs, kwargs = case.inputs

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+import graphamp
 from graphamp.cli.common import add_model_arguments, load_model
 
 __all__ = ["add_parser", "main"]
@@ -29,9 +30,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import torch
-
-    import graphamp
-
     model, inputs, kwargs = load_model(args)  # eval: export is for inference
     try:
         ep = graphamp.export(model, inputs, kwargs, dtype=args.dtype, keep_io_types=args.keep_io_types, dynamic=not args.static)

@@ -9,12 +9,15 @@ import time
 import torch
 from torch.utils import _pytree as pytree
 
+import graphamp
 from graphamp.cli import bench as bench_cli
 from graphamp.policy import DTYPE_ALIASES
 from graphamp.cli import verify as verify_cli
 from graphamp.cli import explain as explain_cli
 from graphamp.cli import search as search_cli
 from graphamp.cli import export as export_cli
+from graphamp.policy import short_dtype
+from graphamp.testing import zoo
 
 
 
@@ -28,10 +31,6 @@ def _default_model() -> str:
 
 def convert_demo(args: argparse.Namespace) -> int:
     """Convert a built-in model, print its cast summary, and check it against eager autocast."""
-    import graphamp
-    from graphamp.testing import zoo
-    from graphamp.policy import short_dtype
-
     dtype = DTYPE_ALIASES[args.dtype]
     case = zoo.build(args.model)
     model = case.model.train() if args.train else case.model.eval()

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+import graphamp
 from graphamp.cli.common import add_model_arguments, load_model
 
 __all__ = ["add_parser", "main"]
@@ -28,9 +29,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import warnings
-
-    import graphamp
-
     model, inputs, kwargs = load_model(args)
     log = logging.getLogger("graphamp.search")
     handler = logging.StreamHandler(sys.stdout)

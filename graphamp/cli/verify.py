@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import graphamp
 from graphamp.cli.common import add_model_arguments, load_model
 
 __all__ = ["add_parser", "main"]
@@ -34,8 +35,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import graphamp
-
     model, inputs, kwargs = load_model(args)
     report = graphamp.verify(model, inputs, kwargs, dtype=args.dtype, device_type=args.device_type, grads=args.grads, compile=args.compile)
     print(report)

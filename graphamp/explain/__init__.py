@@ -30,6 +30,7 @@ from graphamp.spec import AmpSpec
 from graphamp.verify.report import _errors
 
 from graphamp.policy import short_dtype
+from graphamp.explain.numerics import run_fp32
 
 __all__ = ["explain", "Explanation", "NodeRecord", "ModuleRecord", "OutputNumerics", "GradNumerics", "NodeNumerics"]
 
@@ -451,8 +452,6 @@ def _kept(modules: dict[str, ModuleRecord], config: Config, declared: dict[str, 
 
 
 def _output_numerics(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> tuple[OutputNumerics, ...]:
-    from graphamp.explain.numerics import run_fp32
-
     reference = run_fp32(model, args, kwargs)
     got, _ = pytree.tree_flatten_with_path(outputs)
     want = pytree.tree_leaves(reference)

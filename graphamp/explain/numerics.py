@@ -32,6 +32,8 @@ from graphamp.eager import RngState, rng_kept
 from graphamp.node_info import NodeInfo, peek
 from graphamp.runtime import cached_cast
 from graphamp.verify.report import _errors
+from graphamp.eager import fixed_loss
+from graphamp.spec import autocast_off
 
 __all__ = ["NodeNumerics", "SideBySide", "record_of", "cast_target", "run_side_by_side", "grad_underflow", "GradNumerics", "run_fp32", "buffers_restored"]
 
@@ -210,8 +212,6 @@ def run_side_by_side(amp: GraphModule, model: nn.Module, args: tuple, kwargs: di
 
     Runs under ``no_grad``; the model's buffers (batch-norm statistics) are restored afterwards.
     """
-    from graphamp.spec import autocast_off
-
     interp = SideBySide(amp)
     with buffers_restored(model), torch.no_grad(), autocast_off(), rng_kept(seed):
         flat = interp.run(*flat_inputs(amp, args, kwargs), enable_io_processing=False)
@@ -220,8 +220,6 @@ def run_side_by_side(amp: GraphModule, model: nn.Module, args: tuple, kwargs: di
 
 def run_fp32(model: nn.Module, args: tuple, kwargs: dict, seed: int = 0) -> Any:
     """The model's own fp32 outputs (no autocast, no grad, seeded RNG, buffers restored)."""
-    from graphamp.spec import autocast_off
-
     with buffers_restored(model), torch.no_grad(), autocast_off(), rng_kept(seed):
         return model(*args, **kwargs)
 
@@ -240,8 +238,6 @@ class GradNumerics:
 
 
 def _grads(call: Any, params: list[nn.Parameter], scale: float, seed: int) -> list[torch.Tensor | None]:
-    from graphamp.eager import fixed_loss
-
     with rng_kept(seed):
         loss = fixed_loss(call()) * scale
     if not loss.requires_grad:
@@ -254,8 +250,6 @@ def _grads(call: Any, params: list[nn.Parameter], scale: float, seed: int) -> li
 def grad_underflow(model: nn.Module, amp: GraphModule, args: tuple, kwargs: dict, scale: float = 65536.0) -> tuple[GradNumerics, ...]:
     """Per parameter: the fraction of its fp32 gradient's nonzeros that are zero in the converted
     module's gradient, without and with ``scale`` on the loss (GradScaler's ``init_scale``)."""
-    from graphamp.spec import autocast_off
-
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     with buffers_restored(model), torch.enable_grad(), autocast_off():

@@ -34,6 +34,12 @@ from torch.utils import _pytree as pytree
 from graphamp.errors import CaptureError, GraphampError, InputMismatchError, UnitInputError, UnsupportedShardingError
 from graphamp.probe import attribute_bound
 from graphamp.spec import AmpSpec
+from graphamp.eager import Outcome, autocast_call, difference, fixed_loss, fp32_interface, same_start, state_restored
+from graphamp.emit import SelfCheck
+from graphamp.errors import PolicyDriftError, PolicyDriftWarning
+from graphamp.node_info import peek
+from graphamp.runtime import KeptFunction, apply_function
+from graphamp.spec import ambient_autocast
 
 __all__ = ["FSDP_META", "FsdpUnitCall", "UnitInputError", "convert_sharded", "is_sharded", "refuse_compile", "self_check", "sharded_after_conversion", "sharded_units"]
 
@@ -375,8 +381,6 @@ def _record_nested(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict) 
     traced one: Hugging Face builds an explicit attention mask when traced, none in eager SDPA).
     Nested units run their own eager forward under eager's autocast state there; the model's
     buffers and the random state are restored after."""
-    from graphamp.eager import state_restored
-
     token = _RECORDING.set(True)
     try:
         with state_restored(model), torch.no_grad():
@@ -388,9 +392,6 @@ def _record_nested(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict) 
 def _eager_inputs(model: nn.Module, units: list[nn.Module], args: tuple, kwargs: dict, spec: AmpSpec) -> dict[int, tuple]:
     """Each unit's inputs in one eager autocast forward of the example (with FSDP's hooks); the
     model's buffers and the random state are restored after."""
-    from graphamp.eager import state_restored
-    from graphamp.spec import ambient_autocast
-
     seen: dict[int, tuple] = {}
 
     def record(module: nn.Module, a: tuple, kw: dict) -> None:
@@ -489,9 +490,6 @@ def convert_sharded(
 
 def _describe_unit_calls(amp: nn.Module) -> None:
     """Say in each nested unit's node what it is (capture recorded it as a kept Function)."""
-    from graphamp.node_info import peek
-    from graphamp.runtime import KeptFunction, apply_function
-
     for node in amp.graph.find_nodes(op="call_function", target=apply_function):
         kept = getattr(amp, node.args[0].target, None) if node.args and hasattr(node.args[0], "target") else None
         record = peek(node)
@@ -565,9 +563,6 @@ def self_check(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, spec
 
     import torch.distributed as dist
 
-    from graphamp.errors import PolicyDriftError, PolicyDriftWarning
-    from graphamp.emit import SelfCheck
-    from graphamp.eager import Outcome, autocast_call, difference, fixed_loss, fp32_interface, same_start
 
     start = time.perf_counter()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+import graphamp
 from graphamp.config import Config
 from graphamp.eager import rng_kept
 from graphamp.emit import input_signature
@@ -144,8 +145,6 @@ class _Router:
             key, amp = None, self.converted.get(target.training)
         if amp is not None:
             return amp
-        import graphamp
-
         # Tracing must see the model's own forward, and a step under inference_mode (validation)
         # hands in inference tensors, which a conversion (capture, self-check with grad) cannot use.
         routed = target.__dict__.pop("forward")

@@ -45,12 +45,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+import graphamp
 from graphamp.backend.options import BackendOptions
 from graphamp.config import Config
 from graphamp.eager import rng_kept
 from graphamp.errors import CaptureError, InputMismatchError, OptionError
 from graphamp.policy import resolve_dtype
 from graphamp.spec import autocast_off
+from graphamp.emit import AmpModule, input_signature
 
 try:
     import transformers
@@ -171,7 +173,6 @@ def source_of(view: nn.Module) -> nn.Module:
 def _check_model(model: object, frontend: str) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"graphamp.integrations.transformers.{frontend} expects a torch.nn.Module, got {type(model).__name__}")
-    from graphamp.emit import AmpModule
 
     if isinstance(model, (AmpModule, torch._dynamo.eval_frame.OptimizedModule)):
         what = "converted by graphamp.convert" if isinstance(model, AmpModule) else "compiled by torch.compile"
@@ -278,8 +279,6 @@ class _Converted:
         self.lock = threading.RLock()
 
     def __call__(self, view: nn.Module, args: tuple, kwargs: dict) -> Any:
-        from graphamp.emit import input_signature
-
         device_type = self.device_type or _device_type(self.model)
         ambient = _ambient(device_type)
         if _uses_cache(kwargs):
@@ -297,8 +296,6 @@ class _Converted:
         return amp(*args, **kwargs)
 
     def _convert(self, training: bool, args: tuple, kwargs: dict, device_type: str, ambient: tuple[torch.dtype, bool] | None) -> nn.Module:
-        import graphamp
-
         if len(self.graphs) >= MAX_CONVERSIONS:
             raise InputMismatchError(
                 f"this prepared {type(self.model).__name__} has converted {MAX_CONVERSIONS} graphs (one per training mode, "

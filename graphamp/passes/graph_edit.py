@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
+from graphamp.errors import CaptureError
 
 __all__ = [
     "CAST_TARGET", "ancestors", "attr_of", "carried_meta", "cast_source", "dtypes_of", "fake_mode_of", "has_mutating_user",
@@ -152,8 +153,6 @@ def inline_subgraph(graph: torch.fx.Graph, node: Node, sub: torch.fx.Graph, inpu
     The copies go where ``node`` was, each with ``meta_for(original)`` as meta. A node returning
     several values is used through ``getitem``; each of those is rewired to the matching output.
     """
-    from graphamp.errors import CaptureError
-
     env: dict[Node, Any] = dict(zip(sub.find_nodes(op="placeholder"), inputs))
     copies: list[Node] = []
     outputs: Any = None

@@ -33,6 +33,8 @@ from graphamp.pipeline import build
 from graphamp.verify.report import Divergence, GradCheck, GradDivergence, OutputCheck, Report
 from graphamp.verify.signatures import OpSignature, first_divergence, op_signatures
 from graphamp.verify.check import check
+from graphamp.compiled import measure_drift
+from graphamp.convert import convert
 
 
 __all__ = ["verify", "Report", "OutputCheck", "GradCheck", "Divergence", "GradDivergence", "OpSignature", "op_signatures", "first_divergence"]
@@ -93,9 +95,6 @@ def verify(
     args, kwargs = check_inputs(model, args, kwargs, "graphamp.verify")
     report = check(model, args, kwargs, dtype=dtype, device_type=device_type, mode=mode, config=config, grads=grads, build=build)
     if compile:
-        from graphamp.compiled import measure_drift
-        from graphamp.convert import convert
-
         cm = convert(model, args, kwargs, dtype=dtype, device_type=device_type, mode=mode, config=config, compile=True, self_check="off")
         drift = measure_drift(cm, model, args, kwargs, grads=grads) if getattr(cm, "runs_compiled", False) else getattr(cm, "drift", None)
         report = dataclasses.replace(report, compiled_drift=drift)

@@ -32,6 +32,8 @@ from graphamp.shared_state import capture_lock
 from graphamp.spec import AmpSpec
 from graphamp.verify.report import _detached
 from graphamp.verify.signatures import aten
+from graphamp.capture.values import one_fake_mode_while_tracing
+from graphamp.verify.fake_cuda import fake_cuda_inputs, fake_cuda_model, fake_cuda_session
 
 __all__ = ["eager_autocast_graph", "lowered_graph", "count_casts", "trace"]
 
@@ -53,7 +55,6 @@ def trace(fn: Any, args: tuple, kwargs: dict, *, no_grad: bool = True) -> torch.
         a, k = pytree.tree_unflatten(filled, spec)
         return pytree.tree_leaves(fn(*a, **k))
 
-    from graphamp.capture.values import one_fake_mode_while_tracing
 
     with capture_lock(), torch.set_grad_enabled(not no_grad), one_fake_mode_while_tracing(flat):
         # Real tensors: data-dependent Python branches (mask checks in HF models) read real values.
@@ -164,8 +165,6 @@ def _run_fake_cuda(
     model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, mode: str, config: Config | None,
     build: Callable[..., AmpModule] | None = None,
 ) -> _Sides:
-    from graphamp.verify.fake_cuda import fake_cuda_inputs, fake_cuda_model, fake_cuda_session
-
     with fake_cuda_session(), warnings.catch_warnings():
         # Storage-keyed caches probe data_ptr(), which fake tensors only warn about.
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
