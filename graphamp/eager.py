@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from graphamp.policy import LOW_DTYPES
 from graphamp.spec import AmpSpec, autocast_off
 
 __all__ = [
@@ -249,8 +250,7 @@ def fixed_loss(out: Any) -> torch.Tensor:
 def fp32_interface(inputs: Any) -> Any:
     """keep_io_types takes in fp32 the floating inputs the example gave in bf16/fp16 (and casts them
     back inside, so the values eager saw are the ones the graph sees)."""
-    low = (torch.bfloat16, torch.float16)
-    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in low else t, inputs)
+    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in LOW_DTYPES else t, inputs)
 
 
 def difference_without(

@@ -29,6 +29,7 @@ from graphamp.convert import check_inputs
 from graphamp.pipeline import rewrite
 from graphamp.errors import ExportError, GraphampError, PolicyDriftWarning
 from graphamp.passes.export_guards import guards_as_asserts
+from graphamp.policy import LOW_DTYPES
 from graphamp.runtime import set_grad_enabled
 from graphamp.self_check import check_self_check
 from graphamp.eager import autocast_call, difference, outcome
@@ -37,7 +38,6 @@ from graphamp.spec import AmpSpec, autocast_off
 
 __all__ = ["export", "check_portable", "verify_export"]
 
-_LOW = (torch.float16, torch.bfloat16)
 _AUTOCAST_HOPS = (torch.ops.higher_order.wrap_with_autocast,)
 
 
@@ -206,7 +206,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, dynamic:
 
 
 def _as_fp32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in _LOW else t
+    return t.float() if t.dtype in LOW_DTYPES else t
 
 
 def check_portable(gm: GraphModule, *, stage: str = "the graph", allow: tuple = ()) -> None:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.fx import Node
 
-__all__ = ["AutocastFrame", "GRAPHAMP", "GradFrame", "NodeInfo", "info", "peek", "region_of"]
+__all__ = ["AutocastFrame", "GRAPHAMP", "GradFrame", "NodeInfo", "info", "innermost_module", "peek", "region_of"]
 
 GRAPHAMP = "graphamp"
 
@@ -101,3 +101,17 @@ def region_of(node: Node) -> tuple[AutocastFrame | GradFrame, ...]:
     """The regions around ``node``, outermost first; () outside any."""
     record = node.meta.get(GRAPHAMP)
     return record.region if record is not None else ()
+
+
+def innermost_module(node: Node | None) -> tuple[str, Any] | None:
+    """``(path, type)`` of the innermost module on the node's ``nn_module_stack`` (the module whose
+    code made the node; path "" is the root), or None where the node records none.
+
+    >>> g = torch.fx.Graph()
+    >>> n = g.placeholder("x")
+    >>> n.meta["nn_module_stack"] = {"a": ("enc", "Encoder"), "b": ("enc.norm", "LayerNorm")}
+    >>> innermost_module(n), innermost_module(g.placeholder("y"))
+    (('enc.norm', 'LayerNorm'), None)
+    """
+    stack = node.meta.get("nn_module_stack") if node is not None else None
+    return next(reversed(stack.values())) if stack else None

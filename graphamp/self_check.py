@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.emit import SelfCheck
 from graphamp.errors import PolicyDriftError, PolicyDriftWarning
+from graphamp.node_info import innermost_module
 from graphamp.eager import Outcome, autocast_call, difference, equal, fp32_interface, outcome, same_start
 from graphamp.spec import AmpSpec
 from graphamp.capture.dynamo import DynamoAmpModule
@@ -225,8 +226,7 @@ def _dropped_mask(amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, s
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         if masked or mask is None:
             continue
-        stack = node.meta.get("nn_module_stack") or {}
-        path = list(stack.values())[-1][0] if stack else ""
+        path = (innermost_module(node) or ("",))[0]
         where = f"module {path}" if path else "the model's own forward"
         semantics = (
             "and without is_causal, so eager attends to every position there while the mask says otherwise"

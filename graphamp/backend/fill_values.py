@@ -24,10 +24,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphamp.errors import PolicyDriftError
+from graphamp.policy import LOW_DTYPES
 
 __all__ = ["check_fill_values", "check_index_sources"]
-
-_LOW = (torch.bfloat16, torch.float16)
 
 
 def _fills(node: Node) -> bool:
@@ -38,7 +37,7 @@ def _fills(node: Node) -> bool:
 
 def _overflowing(node: Node) -> float | None:
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dtype not in _LOW:
+    if not isinstance(val, torch.Tensor) or val.dtype not in LOW_DTYPES:
         return None
     limit = torch.finfo(val.dtype).max
     for arg in (*node.args, *node.kwargs.values()):

@@ -25,11 +25,12 @@ from graphamp.convert import check_inputs
 from graphamp.pipeline import build
 from graphamp.emit import AmpModule
 from graphamp.explain.html import render
-from graphamp.explain.numerics import LOW, GradNumerics, NodeNumerics, cast_target, finite, grad_underflow, record_of, run_side_by_side
+from graphamp.explain.numerics import GradNumerics, NodeNumerics, cast_target, finite, grad_underflow, record_of, run_side_by_side
 from graphamp.spec import AmpSpec
 from graphamp.verify.report import _errors
 
-from graphamp.policy import short_dtype
+from graphamp.node_info import innermost_module
+from graphamp.policy import LOW_DTYPES, short_dtype
 from graphamp.explain.numerics import run_fp32
 
 __all__ = ["explain", "Explanation", "NodeRecord", "ModuleRecord", "OutputNumerics", "GradNumerics", "NodeNumerics"]
@@ -273,7 +274,7 @@ def _explain(model: nn.Module, amp: AmpModule, args: tuple, kwargs: dict, spec: 
         m = _module_entry(modules, path, type_)
         if record_of(node).cast:
             casts += 1
-            m.casts_to_low += target in LOW
+            m.casts_to_low += target in LOW_DTYPES
             m.casts_to_fp32 += target is torch.float32
             if node.name in stats:
                 cast_stats.append((path, stats[node.name]))
@@ -325,10 +326,10 @@ def _type_name(type_: object) -> str:
 
 
 def _module_of(node: Node, model: nn.Module) -> tuple[str, str]:
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
-    if not stack or stack[-1][0] == _NO_MODULE:
+    innermost = innermost_module(node)
+    if innermost is None or innermost[0] == _NO_MODULE:
         return "", type(model).__name__
-    path, type_ = stack[-1]
+    path, type_ = innermost
     return path, _type_name(type_)
 
 

@@ -28,6 +28,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
+from graphamp.policy import LOW_DTYPES
 from graphamp.eager import RngState, rng_kept
 from graphamp.node_info import NodeInfo, peek
 from graphamp.runtime import cached_cast
@@ -37,7 +38,6 @@ from graphamp.spec import autocast_off
 
 __all__ = ["NodeNumerics", "SideBySide", "record_of", "cast_target", "run_side_by_side", "grad_underflow", "GradNumerics", "run_fp32", "buffers_restored"]
 
-LOW = (torch.float16, torch.bfloat16)
 
 
 def record_of(node: Node) -> NodeInfo:
@@ -119,7 +119,7 @@ class SideBySide(Interpreter):
     def _reference(self, n: Node, low: Any, rng: RngState) -> Any:
         args = map_arg(n.args, lambda a: self.ref_env[a])
         kwargs = map_arg(n.kwargs, lambda a: self.ref_env[a])
-        if cast_target(n) in LOW:
+        if cast_target(n) in LOW_DTYPES:
             return args[1] if n.target is cached_cast else args[0]
         args, kwargs = _clone_mutated(n, args, kwargs)
         rng.restore()
@@ -129,7 +129,7 @@ class SideBySide(Interpreter):
             pass
         # Tensors the model's code made in the low dtype it saw while captured (an attention mask
         # built with torch.finfo(fp16).min) meet fp32 values here: bring them to fp32 too.
-        upcast = lambda t: t.float() if t.dtype in LOW else t
+        upcast = lambda t: t.float() if t.dtype in LOW_DTYPES else t
         args, kwargs = pytree.tree_map_only(torch.Tensor, upcast, (args, kwargs))
         rng.restore()
         try:
@@ -169,8 +169,8 @@ class SideBySide(Interpreter):
         overflow = int((~torch.isfinite(low) & ref_finite).sum())
         underflow = int(((low == 0) & (ref != 0)).sum())
         abs_err, rel_err, sqnr = _errors(low, ref)
-        lowered = low.dtype in LOW or any(
-            _floating(v) and v.dtype in LOW for v in pytree.tree_leaves(self.fetch_args_kwargs_from_env(n))
+        lowered = low.dtype in LOW_DTYPES or any(
+            _floating(v) and v.dtype in LOW_DTYPES for v in pytree.tree_leaves(self.fetch_args_kwargs_from_env(n))
         )
         local_rel, local_overflow = 0.0, 0
         if lowered:

@@ -31,6 +31,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes.graph_edit import attr_of, is_graphamp_cast
 from graphamp.node_info import NodeInfo, peek
+from graphamp.policy import LOW_DTYPES
 from graphamp.runtime import WeightCache, cached_cast
 
 if TYPE_CHECKING:
@@ -39,13 +40,12 @@ if TYPE_CHECKING:
 __all__ = ["cache_weights", "freeze_weights", "WEIGHT_CACHE"]
 
 WEIGHT_CACHE = "_graphamp_weights"
-_LOW = (torch.float16, torch.bfloat16)
 
 
 def _param_casts(gm: GraphModule) -> list[tuple[Node, Node]]:
     found = []
     for node in gm.graph.nodes:
-        if not is_graphamp_cast(node) or node.kwargs["dtype"] not in _LOW:
+        if not is_graphamp_cast(node) or node.kwargs["dtype"] not in LOW_DTYPES:
             continue
         src = node.args[0]
         if src.op == "get_attr" and isinstance(attr_of(gm, src.target), nn.Parameter):

@@ -31,6 +31,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from graphamp.passes.grad_analysis import grad_free_nodes, in_no_grad
 from graphamp.passes.graph_edit import attr_of, carried_meta, cast_source, has_mutating_user, is_graphamp_cast, tensor_dtype
 from graphamp.node_info import peek
+from graphamp.policy import LOW_DTYPES
 from graphamp.runtime import autocast_cached
 
 if TYPE_CHECKING:
@@ -38,12 +39,10 @@ if TYPE_CHECKING:
 
 __all__ = ["dedupe_casts"]
 
-_LOW = (torch.float16, torch.bfloat16)
-
 
 def _is_cached_param_cast(gm: GraphModule, cast: Node) -> bool:
     src = cast.args[0]
-    if src.op != "get_attr" or cast.kwargs["dtype"] not in _LOW:
+    if src.op != "get_attr" or cast.kwargs["dtype"] not in LOW_DTYPES:
         return False
     attr = attr_of(gm, src.target)
     return isinstance(attr, nn.Parameter) and attr.requires_grad and attr.dtype is torch.float32
@@ -51,7 +50,7 @@ def _is_cached_param_cast(gm: GraphModule, cast: Node) -> bool:
 
 def _is_input_cast(cast: Node) -> bool:
     src = cast.args[0]
-    return src.op == "placeholder" and tensor_dtype(src) is torch.float32 and cast.kwargs["dtype"] in _LOW
+    return src.op == "placeholder" and tensor_dtype(src) is torch.float32 and cast.kwargs["dtype"] in LOW_DTYPES
 
 
 def dedupe_casts(gm: GraphModule, spec: AmpSpec) -> PassResult:

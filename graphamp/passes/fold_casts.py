@@ -16,13 +16,13 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes.grad_analysis import grad_free_nodes
 from graphamp.passes.graph_edit import cast_source, has_mutating_user, is_graphamp_cast, tensor_dtype
+from graphamp.policy import LOW_DTYPES
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
 
 __all__ = ["fold_casts"]
 
-_LOW = (torch.float16, torch.bfloat16)
 _EXACT_UP = (torch.float32, torch.float64)
 
 
@@ -35,7 +35,7 @@ def _folded_source(node: Node, free: set[Node]) -> Node | None:
     if tensor_dtype(src) == dtype and (is_graphamp_cast(node) or node.target is torch.ops.aten.to.dtype):
         return src  # to.dtype to the same dtype already returns its input
     inner = cast_source(src)
-    if inner is not None and dtype in _LOW and inner[1] in _EXACT_UP and tensor_dtype(inner[0]) == dtype:
+    if inner is not None and dtype in LOW_DTYPES and inner[1] in _EXACT_UP and tensor_dtype(inner[0]) == dtype:
         origin = inner[0]
         linear = len(src.users) == 1 and len(origin.users) == 1
         if origin in free or linear:

@@ -48,7 +48,7 @@ from graphamp.passes.graph_edit import (
     recompute_val,
     val_of,
 )
-from graphamp.node_info import AutocastFrame, info, region_of
+from graphamp.node_info import AutocastFrame, info, innermost_module, region_of
 from graphamp.policy import APPEND_DTYPE_TARGETS, Category, Policy, is_eligible, lstm_uses_onednn, op_key, promote_dtype
 
 if TYPE_CHECKING:
@@ -445,9 +445,9 @@ def _static_fake(val: Any, mode: FakeTensorMode) -> Any:
 
 
 def _where(node: Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path, type_ = list(stack.values())[-1]
+    innermost = innermost_module(node)
+    if innermost is not None:
+        path, type_ = innermost
         type_name = type_ if isinstance(type_, str) else type_.__qualname__
         return f"in module {path or '<root>'} ({type_name.rsplit('.', 1)[-1]})"
     return "at the top level of forward"

@@ -17,18 +17,17 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes.graph_edit import fake_mode_of, insert_cast
+from graphamp.policy import LOW_DTYPES
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
 
 __all__ = ["keep_io_types"]
 
-_LOW = (torch.float16, torch.bfloat16)
-
 
 def _low(node: object) -> torch.dtype | None:
     val = node.meta.get("val") if isinstance(node, Node) else None
-    return val.dtype if isinstance(val, torch.Tensor) and val.dtype in _LOW else None
+    return val.dtype if isinstance(val, torch.Tensor) and val.dtype in LOW_DTYPES else None
 
 
 def keep_io_types(gm: GraphModule, spec: AmpSpec) -> PassResult:

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphamp.emit import AmpModule
 from graphamp.passes.graph_edit import is_graphamp_cast
-from graphamp.node_info import peek
+from graphamp.node_info import innermost_module, peek
 from graphamp.policy import short_dtype
 from graphamp.eager import fixed_loss  # the fixed loss both sides backpropagate
 from graphamp.verify.report import GradCheck, GradDivergence, _equal_nan, _errors
@@ -208,8 +208,7 @@ def _reason(node: Node | None) -> str | None:
 
 
 def _module_of(node: Node | None) -> tuple[str | None, Any]:
-    stack = list((node.meta.get("nn_module_stack") or {}).values()) if node is not None else []
-    return stack[-1] if stack else (None, None)
+    return innermost_module(node) or (None, None)
 
 
 def _consumers(node: Node) -> list[Node]:

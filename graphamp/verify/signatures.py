@@ -12,7 +12,7 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from graphamp.policy import short_dtype
-from graphamp.node_info import NodeInfo, peek
+from graphamp.node_info import NodeInfo, innermost_module, peek
 from graphamp.verify.report import Divergence
 
 
@@ -186,8 +186,7 @@ def _divergence(where: _Where, graphamp: list[OpSignature], eager: list[OpSignat
     # Locate the converted node: the op itself, or the next converted op if eager has extra ops here.
     anchor = g if g is not None else (graphamp[gi] if gi < len(graphamp) else None)
     origin = _origin(anchor.node, amp) if anchor is not None else None
-    stack = list((origin.meta.get("nn_module_stack") or {}).values()) if origin is not None else []
-    path, type_ = stack[-1] if stack else (None, None)
+    path, type_ = innermost_module(origin) or (None, None)
     record = (peek(origin) if origin is not None else None) or NodeInfo()
     captured = record.captured
     structural = where.kind == "structure"
