@@ -6,7 +6,7 @@ in mixed precision with no runtime autocast.
 """
 
 from graphamp.capture.dynamo import DynamoAmpModule
-from graphamp.compiled import CompiledAmpModule, CompileError, CompileFallbackWarning, Drift
+from graphamp.compiled import CompiledAmpModule, Drift
 from graphamp.config import Config
 from graphamp.convert import convert
 from graphamp.emit import AmpInfo, AmpModule
@@ -15,7 +15,10 @@ from graphamp.errors import (
     BannedOpError,
     CaptureError,
     CheckSkippedWarning,
+    CompileError,
+    CompileFallbackWarning,
     DeviceMismatchError,
+    EmulatedPrecisionWarning,
     GraphampError,
     InputMismatchError,
     InputShapeError,
@@ -24,6 +27,7 @@ from graphamp.errors import (
     ModelChangedError,
     ModelMethodError,
     OptionError,
+    PlanMismatchError,
     EagerPathWarning,
     ExportError,
     PolicyDriftError,
@@ -32,11 +36,11 @@ from graphamp.errors import (
     ScriptCaptureError,
     SearchError,
     SearchWarning,
+    UnitInputError,
     UnsupportedFunctionError,
     UnsupportedShardingError,
 )
-from graphamp.hardware import EmulatedPrecisionWarning
-from graphamp.plan import AutotunePlan, PlanMismatchError
+from graphamp.plan import AutotunePlan
 from graphamp.policy import Category, Policy, get_policy
 from graphamp.train import TrainStep
 from graphamp.verify import Report, verify
@@ -53,6 +57,7 @@ __all__ = [
     "CheckSkippedWarning",
     "CompileError",
     "CompileFallbackWarning",
+    "UnitInputError",
     "CompiledAmpModule",
     "Config",
     "DeviceMismatchError",

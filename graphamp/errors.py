@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "InputValueError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "CheckSkippedWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError", "CompileError", "CompileFallbackWarning", "UnitInputError", "UnsupportedShardingError", "InputStructureError", "ModelChangedError", "ModelMethodError"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "InputValueError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "CheckSkippedWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError", "CompileError", "CompileFallbackWarning", "UnitInputError", "UnsupportedShardingError", "InputStructureError", "ModelChangedError", "ModelMethodError", "EmulatedPrecisionWarning", "PlanMismatchError"]
 
 
 class GraphampError(Exception):
@@ -147,3 +147,15 @@ class UnsupportedShardingError(GraphampError, RuntimeError):
     (``checkpoint_wrapper``, the composable ``checkpoint``, Hugging Face's gradient checkpointing).
     Raised before any capture or collective, on every rank alike, naming the option, the unit and
     the way out."""
+
+
+class EmulatedPrecisionWarning(UserWarning):
+    """The conversion's low dtype is emulated on this machine, so exact mode is slower than fp32."""
+
+    __module__ = "graphamp"
+
+
+class PlanMismatchError(GraphampError, ValueError):
+    """A ``Config(plan=...)`` was made for another model, dtype or device than this conversion."""
+
+    __module__ = "graphamp"

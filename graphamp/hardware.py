@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from graphamp.errors import EmulatedPrecisionWarning
+
 __all__ = [
     "Capability",
     "EmulatedPrecisionWarning",
@@ -39,12 +41,6 @@ _RELEVANT = BF16_FLAGS + FP16_FLAGS
 _FAKE_FLAGS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("graphamp_fake_cpu_flags", default=None)
 # (device, dtype, missing feature) already warned about in this process: the warning is once each.
 _WARNED: set[tuple[str, torch.dtype, str]] = set()
-
-
-class EmulatedPrecisionWarning(UserWarning):
-    """The conversion's low dtype is emulated on this machine, so exact mode is slower than fp32."""
-
-    __module__ = "graphamp"
 
 
 @functools.cache

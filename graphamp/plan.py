@@ -16,19 +16,13 @@ from typing import Any
 
 import torch
 
-from graphamp.errors import GraphampError
+from graphamp.errors import PlanMismatchError
 from graphamp.runtime import FrozenDict
 
 __all__ = ["AutotunePlan", "PlanMismatchError", "fingerprint"]
 
 _VERSION = 1
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class PlanMismatchError(GraphampError, ValueError):
-    """A ``Config(plan=...)`` was made for another model, dtype or device than this conversion."""
-
-    __module__ = "graphamp"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

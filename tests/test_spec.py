@@ -49,3 +49,19 @@ def test_autocast_off_restores_the_ambient_state():
         with autocast_off():
             assert not torch.is_autocast_enabled("cpu")
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.float16
+
+
+def test_every_public_error_and_warning_lives_in_errors_and_is_exported():
+    import inspect
+
+    import graphamp
+    import graphamp.errors as errors
+
+    def is_error(value: object) -> bool:
+        return inspect.isclass(value) and issubclass(value, Warning | Exception)
+
+    defined = {n for n, v in vars(errors).items() if is_error(v) and v.__module__ in ("graphamp", "graphamp.errors")}
+    assert defined == set(errors.__all__)
+    public = {n for n in graphamp.__all__ if is_error(getattr(graphamp, n))}
+    assert public == set(errors.__all__), public ^ set(errors.__all__)
+    assert all(getattr(graphamp, n) is getattr(errors, n) for n in errors.__all__)
