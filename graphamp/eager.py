@@ -52,7 +52,7 @@ from graphamp.policy import LOW_DTYPES
 from graphamp.spec import AmpSpec, autocast_off
 
 __all__ = [
-    "Outcome", "RngState", "autocast_call", "difference", "difference_without", "equal", "fixed_loss", "fp32_interface", "outcome",
+    "Outcome", "RngState", "autocast_call", "difference", "difference_without", "equal", "fixed_loss", "fp32_interface", "holds_values", "outcome",
     "rng_kept", "same_start", "state_restored",
 ]
 
@@ -311,3 +311,9 @@ def difference(got: Outcome, ref: Outcome, *, keep_io_types: bool = False) -> st
         if have is not None and not equal(have, want):
             return f"gradient of {name} differs ({_max_abs(have, want)})"
     return ""
+
+
+def holds_values(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the model and inputs hold values an eager run can compare (no fake or meta tensors)."""
+    tensors = [*model.parameters(), *model.buffers(), *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
+    return not any(isinstance(t, torch._subclasses.fake_tensor.FakeTensor) or t.device.type == "meta" for t in tensors)

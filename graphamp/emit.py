@@ -168,13 +168,6 @@ def all_ones_key(kwargs: dict, names: tuple[str, ...], training: bool) -> tuple 
     return (training, ones) if ones else None
 
 
-def all_ones_as_none(kwargs: dict, names: tuple[str, ...] | None) -> dict:
-    """``kwargs`` with each of ``names`` that holds an all-ones tensor passed as None."""
-    if not names:
-        return kwargs
-    return {k: None if k in names and is_all_ones(v) else v for k, v in kwargs.items()}
-
-
 def _plain_arity(args: tuple, kwargs: dict) -> int | None:
     """n when the example was n positional tensors and nothing else: calls like it skip flattening."""
     if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
@@ -286,7 +279,7 @@ class AmpModule(GraphModule):
                 verdict = proven.get(key)
                 if verdict is None:
                     verdict = proven[key] = self._eager_drops(model, args, kwargs, tuple(k for k, _ in key[1]))
-        return all_ones_as_none(kwargs, names) if verdict else kwargs
+        return {**kwargs, **dict.fromkeys(name for name, _ in key[1])} if verdict else kwargs
 
     def _eager_drops(self, model: nn.Module, args: tuple, kwargs: dict, names: tuple[str, ...]) -> bool:
         """Whether eager autocast gives the same outputs (and, in training, gradients) with these

@@ -32,7 +32,7 @@ from graphamp.passes.export_guards import guards_as_asserts
 from graphamp.policy import LOW_DTYPES
 from graphamp.runtime import set_grad_enabled
 from graphamp.self_check import check_self_check
-from graphamp.eager import autocast_call, difference, outcome
+from graphamp.eager import autocast_call, difference, holds_values, outcome
 from graphamp.shared_state import capture_lock
 from graphamp.spec import AmpSpec, autocast_off
 
@@ -104,7 +104,7 @@ def export(
         keep_io_types=keep_io_types, target="export",
     )
     ep = _export(model, args, kwargs, spec, dynamic)
-    if on_drift == "off" or not spec.check or not _real(model, args, kwargs):
+    if on_drift == "off" or not spec.check or not holds_values(model, args, kwargs):
         return ep
     problem = verify_export(ep, model, args, kwargs, dtype=spec.dtype, device_type=spec.device_type, keep_io_types=keep_io_types)
     if not problem:
@@ -160,12 +160,6 @@ def verify_export(
     ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True)
     got = outcome(lambda: module(*run_args, **run_kwargs), model, grads=False, no_grad=True)
     return difference(got, ref, keep_io_types=keep_io_types)
-
-
-def _real(model: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Whether the model and inputs hold values to compare (not fake or meta tensors)."""
-    tensors = [*model.parameters(), *model.buffers(), *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
-    return not any(isinstance(t, torch._subclasses.fake_tensor.FakeTensor) or t.device.type == "meta" for t in tensors)
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, dynamic: bool) -> torch.export.ExportedProgram:

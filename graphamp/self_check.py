@@ -20,12 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from graphamp.emit import SelfCheck
 from graphamp.errors import PolicyDriftError, PolicyDriftWarning
 from graphamp.node_info import innermost_module
-from graphamp.eager import Outcome, autocast_call, difference, equal, fp32_interface, outcome, same_start
+from graphamp.eager import Outcome, autocast_call, difference, equal, fp32_interface, holds_values, outcome, same_start
 from graphamp.spec import AmpSpec
 from graphamp.capture.dynamo import DynamoAmpModule
 from graphamp.integrations.fsdp import self_check
@@ -55,8 +54,7 @@ def applies(spec: AmpSpec, model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Exact mode with autocast's own policy on real tensors: the only case that promises equality."""
     if not spec.check or spec.target != "module":
         return False
-    tensors = [*model.parameters(), *model.buffers(), *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
-    return not any(isinstance(t, torch._subclasses.fake_tensor.FakeTensor) or t.device.type == "meta" for t in tensors)
+    return holds_values(model, args, kwargs)
 
 
 def checker_for(amp: nn.Module) -> Callable[..., SelfCheck]:
