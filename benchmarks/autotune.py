@@ -27,7 +27,7 @@ import torch
 import graphamp
 from graphamp import bench
 from graphamp.hardware import capability
-from graphamp.passes.autotune import MeasurementCache, measuring
+from graphamp.autotune.measure import MeasurementCache, measuring
 
 MODELS = ("mlp", "checkerboard", "many_small_ops", "transformer_encoder", "bert", "gpt2")
 VARIANTS = ("fp32", "autocast", "pure_low", "graphamp", "graphamp_inference", "graphamp_autotune")

@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import graphamp  # noqa: E402
 from graphamp.bench import BENCH_MODELS  # noqa: E402
-from graphamp.compiled import CompiledAmpModule, inductor_freezing  # noqa: E402
+from graphamp.backend.inductor import inductor_freezing  # noqa: E402
+from graphamp.compiled import CompiledAmpModule  # noqa: E402
 from graphamp.spec import DTYPE_ALIASES  # noqa: E402
 
 KERNEL = re.compile(r"^(graph_\d+_)?cpp_fused_(?P<ops>.+?)(_\d+)?$")

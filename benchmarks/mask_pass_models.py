@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import census_models  # noqa: E402
 
 import graphamp  # noqa: E402
-from graphamp.compiled import CompiledAmpModule, _Inductor  # noqa: E402
+from graphamp.backend.inductor import Inductor  # noqa: E402
+from graphamp.compiled import CompiledAmpModule  # noqa: E402
 from graphamp.passes import recompute_masks as pass_module  # noqa: E402
 
 
@@ -73,12 +74,12 @@ def run(name: str, p: float, without_first: bool = False) -> dict:
     original = pass_module.recompute_masks
     results = {}
     for with_pass in ((False, True) if without_first else (True, False)):
-        init = _Inductor.__init__
+        init = Inductor.__init__
         patched = contextlib.ExitStack()
         if not with_pass:
             def without(self, patches, init=init):
                 init(self, {k: v for k, v in patches.items() if k != "joint_custom_pre_pass"})
-            _Inductor.__init__ = without
+            Inductor.__init__ = without
         else:
             def timed(graph):
                 start = time.perf_counter()
@@ -97,7 +98,7 @@ def run(name: str, p: float, without_first: bool = False) -> dict:
         except Exception as e:  # noqa: BLE001 (reported per model)
             row["error" if with_pass else "error_without"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         finally:
-            _Inductor.__init__ = init
+            Inductor.__init__ = init
             pass_module.recompute_masks = original
             patched.close()
     row["masks"], row["pass_s"] = sum(marked), round(sum(spent), 3)

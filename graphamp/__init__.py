@@ -5,7 +5,7 @@
 in mixed precision with no runtime autocast.
 """
 
-from graphamp.capture.dynamo import DynamoAmpModule
+from graphamp.backend.fallback import DynamoAmpModule
 from graphamp.compiled import CompiledAmpModule, Drift
 from graphamp.config import Config
 from graphamp.convert import convert
@@ -40,7 +40,7 @@ from graphamp.errors import (
     UnsupportedFunctionError,
     UnsupportedShardingError,
 )
-from graphamp.plan import AutotunePlan
+from graphamp.autotune.plan import AutotunePlan
 from graphamp.policy import Category, Policy, get_policy
 from graphamp.train import TrainStep
 from graphamp.verify import Report, verify

@@ -62,12 +62,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphamp
 from graphamp import hardware
-from graphamp.compiled import inductor_freezing
+from graphamp.backend.inductor import inductor_freezing
 from graphamp.testing import zoo
 from graphamp.verify.reference import count_casts, lowered_graph
 from graphamp.policy import DTYPE_ALIASES
-from graphamp import autotune_compiled, bench_limits
-from graphamp.plan import AutotunePlan
+from graphamp import bench_limits
+from graphamp.autotune import compiled as autotune_compiled
+from graphamp.autotune.plan import AutotunePlan
 
 __all__ = ["ALTERNATIVES", "BENCH_MODELS", "DEFAULT_MODELS", "PURE_LOW", "VARIANTS", "Row", "build_case", "default_variants", "recommendation", "run"]
 
@@ -232,7 +233,7 @@ def _faster_with_cpp_wrapper(
     as_step: Callable[[Callable[[], Any], Any], Callable[[], Any]],
 ) -> tuple[Callable[[], Any], str]:
     """``call``, or the same program built with inductor's C++ wrapper where that times faster, by the
-    rule graphamp's autotune applies to its own (:mod:`graphamp.autotune_compiled`)."""
+    rule graphamp's autotune applies to its own (:mod:`graphamp.autotune.compiled`)."""
     cpp = compiled_call({"cpp_wrapper": True})
     steps = {"plan": as_step(call, ()), "C++ wrapper": as_step(cpp, ())}
     for step in steps.values():

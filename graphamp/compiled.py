@@ -40,12 +40,12 @@ from graphamp.runtime import RESTORE_ON_REFUSAL, compiled_guards, restored_on_re
 from graphamp.shared_state import compile_scoped
 from graphamp.spec import autocast_off
 from graphamp.eager import autocast_call, outcome, state_restored
-from graphamp.passes.recompute_masks import RecomputeMasks
+from graphamp.backend.inductor import Inductor, freezing_patch, inductor_patches
 from graphamp.probe import attribute_bound
 
 __all__ = [
     "CompileError", "CompileFallbackWarning", "CompiledAmpModule", "CompiledOptimizerStep", "Drift", "compile_converted",
-    "compiled_for_training", "inductor_freezing", "measure_drift",
+    "compiled_for_training", "measure_drift",
 ]
 
 DRIFT_META = "graphamp.drift"
@@ -94,32 +94,6 @@ class Drift:
         return out + (" (bitwise)" if self.bitwise else "")
 
 
-def inductor_patches(**patches: Any) -> dict[str, Any]:
-    """Inductor config patches for graphamp's compiled graphs: ``patches`` plus the joint-graph pass
-    that keeps boolean masks out of saved activations (:mod:`graphamp.passes.recompute_masks`)."""
-    return {"joint_custom_pre_pass": RecomputeMasks(), **patches}
-
-
-class _Inductor:
-    """Inductor with these config patches, as a backend of its own: ``torch.compile`` caches
-    compiled code per backend, so a recompile (``refresh``) never reuses frozen constants.
-
-    AOTAutograd compiles the backward with the forward, not at the first ``backward()``: a backward
-    inductor cannot compile then fails inside the module's call, where :class:`CompiledAmpModule`
-    falls back to the uncompiled graph (and ``convert(compile=True)`` raises ``CompileError``),
-    instead of raising from ``loss.backward()`` in the user's loop."""
-
-    def __init__(self, patches: dict[str, Any]) -> None:
-        self.patches = dict(patches)
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        import torch._functorch.config as functorch_config
-        from torch._inductor.compile_fx import compile_fx
-
-        with functorch_config.patch(force_non_lazy_backward_lowering=True):
-            return compile_fx(gm, example_inputs, config_patches=self.patches)
-
-
 class CompiledAmpModule(nn.Module):
     """A converted module compiled by inductor: what ``graphamp.convert(..., compile=True)`` returns.
 
@@ -144,7 +118,7 @@ class CompiledAmpModule(nn.Module):
     __module__ = "graphamp"
 
     def __init__(
-        self, amp: AmpModule, *, freezing: bool | None = None, mode: str | None = None, options: dict[str, Any] | None = None
+        self, amp: AmpModule, *, freezing: bool | None = None, inductor_mode: str | None = None, options: dict[str, Any] | None = None
     ) -> None:
         super().__init__()
         if not isinstance(amp, AmpModule):
@@ -157,7 +131,7 @@ class CompiledAmpModule(nn.Module):
         self.__dict__["_non_persistent_buffers_set"] = amp._non_persistent_buffers_set
         self.__dict__["amp"] = amp
         self.__dict__["_freezing"] = info.inference if freezing is None else bool(freezing)
-        self.__dict__["_mode"] = mode
+        self.__dict__["_inductor_mode"] = inductor_mode
         self.__dict__["_options"] = dict(options or {})  # more inductor config patches (cpp_wrapper)
         self.__dict__["_compiled"] = None
         self.__dict__["_fallback_warned"] = False
@@ -191,12 +165,12 @@ class CompiledAmpModule(nn.Module):
                 compiled = self.__dict__["_compiled"]
                 if compiled is None:
                     patches = inductor_patches(freezing=self.__dict__["_freezing"])
-                    if self.__dict__["_mode"] is not None:
+                    if self.__dict__["_inductor_mode"] is not None:
                         from torch._inductor import list_mode_options
 
-                        patches.update(list_mode_options(self.__dict__["_mode"]))
+                        patches.update(list_mode_options(self.__dict__["_inductor_mode"]))
                     patches.update(self.__dict__.get("_options", {}))
-                    compiled = torch.compile(_own_function(self.amp), backend=_Inductor(patches))
+                    compiled = torch.compile(_own_function(self.amp), backend=Inductor(patches))
                     self.__dict__["_compiled"] = compiled
         return compiled
 
@@ -251,7 +225,7 @@ class CompiledAmpModule(nn.Module):
     def _compile_settings(self) -> tuple[Callable[[], contextlib.AbstractContextManager], ...]:
         """What the compiles of this module's calls run under (and nothing else does): inductor's
         freezing where it freezes; the widened fake kernel where the graph calls ``_grouped_mm``."""
-        return (*((_freezing,) if self.__dict__["_freezing"] else ()), *((eager_kernel_metas,) if self._calls_grouped_mm() else ()))
+        return (*((freezing_patch,) if self.__dict__["_freezing"] else ()), *((eager_kernel_metas,) if self._calls_grouped_mm() else ()))
 
     def _calls_grouped_mm(self) -> bool:
         """Whether the graph calls ``aten._grouped_mm`` (MoE experts), whose fake kernel refuses the
@@ -305,30 +279,10 @@ class CompiledAmpModule(nn.Module):
         import copy
 
         amp = copy.deepcopy(self.amp, memo)  # AmpModule's deepcopy keeps the conversion's record
-        new = CompiledAmpModule(amp, freezing=self.__dict__["_freezing"], mode=self.__dict__["_mode"], options=self.__dict__.get("_options"))
+        new = CompiledAmpModule(amp, freezing=self.__dict__["_freezing"], inductor_mode=self.__dict__["_inductor_mode"], options=self.__dict__.get("_options"))
         new.meta = dict(self.meta)
         memo[id(self)] = new
         return new
-
-
-def inductor_freezing() -> contextlib.AbstractContextManager:
-    """Inductor's ``freezing`` for the dynamo compiles this thread starts inside the block, and for
-    nothing else (:func:`graphamp.shared_state.compile_scoped`).
-
-    ``torch.compile(..., options={"freezing": True})`` is not enough: dynamo reads the global flag
-    (``torch._dynamo.utils.is_parameter_freezing``) when it traces, to make parameters and buffers
-    static inputs that inductor may fold; without it inductor gets them as graph inputs and folds
-    nothing (no low-precision weights constant-folded, no oneDNN prepacking). The flag is set from
-    the start of such a compile to its end, under dynamo's compile lock, so no other compile sees
-    it; a call that does not compile changes nothing.
-    """
-    return compile_scoped(_freezing)
-
-
-def _freezing() -> contextlib.AbstractContextManager:
-    import torch._inductor.config as inductor_config
-
-    return inductor_config.patch(freezing=True)
 
 
 class _nothing:
@@ -452,7 +406,7 @@ def _tree_errors(got: list[Any], ref: list[Any], *, one_scale: bool = False) -> 
 
 
 def compile_converted(
-    amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, *, mode: str | None = None, options: dict[str, Any] | None = None
+    amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, *, inductor_mode: str | None = None, options: dict[str, Any] | None = None
 ) -> nn.Module:
     """``amp`` compiled, and compiled now: the example runs through it once (model state restored
     after), which is where a failure to compile raises :class:`CompileError`; its difference from
@@ -465,7 +419,7 @@ def compile_converted(
             stacklevel=3,
         )
         return amp
-    cm = CompiledAmpModule(amp, mode=mode, options=options)
+    cm = CompiledAmpModule(amp, inductor_mode=inductor_mode, options=options)
     start = time.perf_counter()
     try:
         with state_restored(model), torch.inference_mode(False), torch.enable_grad():

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graphamp.plan import AutotunePlan
+from graphamp.autotune.plan import AutotunePlan
 from graphamp.policy import Category, op_key, resolve_dtype
 from graphamp.runtime import FrozenDict
 

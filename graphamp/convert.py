@@ -10,15 +10,15 @@ import torch
 from torch import nn
 
 from graphamp import hardware
-from graphamp.capture.dynamo import dynamo_fallback, needs_graph_breaks
+from graphamp.backend.fallback import dynamo_fallback, needs_graph_breaks
 from graphamp.config import Config
 from graphamp.emit import SELF_CHECK_META, AmpModule
 from graphamp.errors import CaptureError, PolicyDriftError
-from graphamp.passes.autotune import PLAN_META
+from graphamp.autotune.plan import PLAN_META
 from graphamp.pipeline import build, exact_again, self_checked
 from graphamp.self_check import applies, check_self_check
 from graphamp.spec import AmpSpec
-from graphamp.autotune_compiled import fastest_compiled
+from graphamp.autotune.compiled import fastest_compiled
 from graphamp.compiled import compile_converted
 from graphamp.integrations import fsdp
 
@@ -75,7 +75,7 @@ def convert(
             from eager autocast (``cm.drift``). Returns a :class:`graphamp.CompiledAmpModule`.
             With ``mode="autotune"`` (and no plan given) up to three programs are compiled, the
             plan's, autocast's dtypes and every op raised, and the fastest on the example is
-            returned (:mod:`graphamp.autotune_compiled`; ``AutotunePlan.of(cm.amp).compiled``).
+            returned (:mod:`graphamp.autotune.compiled`; ``AutotunePlan.of(cm.amp).compiled``).
 
     Returns:
         An :class:`AmpModule`: a GraphModule with the casts in its code, sharing the model's

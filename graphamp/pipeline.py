@@ -34,10 +34,10 @@ from graphamp.capture.values import capture_by_values, guard_eager_reads
 from graphamp.emit import ALL_ONES_AS_NONE, ALL_ONES_PROVEN, SELF_CHECK_META, AmpModule, all_ones_key, emit, is_all_ones
 from graphamp.errors import CaptureError, EagerPathWarning, PolicyDriftError
 from graphamp.passes import build_pipeline, run_passes
-from graphamp.passes.autotune import checks_accuracy
+from graphamp.autotune.measure import checks_accuracy
 from graphamp.passes.export_guards import guards_as_asserts
 from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
-from graphamp.plan import AutotunePlan
+from graphamp.autotune.plan import AutotunePlan
 from graphamp.probe import eager_sdpa_calls
 from graphamp.self_check import applies, check_against_eager, checker_for
 from graphamp.shared_state import capture_lock

@@ -26,7 +26,7 @@ from graphamp.errors import PolicyDriftError, PolicyDriftWarning
 from graphamp.node_info import innermost_module
 from graphamp.eager import Outcome, autocast_call, difference, equal, fp32_interface, holds_values, outcome, same_start
 from graphamp.spec import AmpSpec
-from graphamp.capture.dynamo import DynamoAmpModule
+from graphamp.backend.fallback import DynamoAmpModule
 from graphamp.integrations.fsdp import self_check
 
 __all__ = ["SELF_CHECKS", "check_against_eager", "check_self_check", "checker_for"]

@@ -33,13 +33,13 @@ from graphamp.config import Config
 from graphamp.pipeline import build
 from graphamp.emit import SELF_CHECK_META, AmpModule
 from graphamp.errors import InputMismatchError
-from graphamp.passes.autotune import PLAN_META
+from graphamp.autotune.plan import PLAN_META
 from graphamp.probe import attribute_bound
 from graphamp.eager import state_restored
 from graphamp.runtime import grad_casts_kept
 from graphamp.self_check import applies, check_against_eager, check_self_check
 from graphamp.spec import AmpSpec, autocast_off, check_device
-from graphamp.autotune_compiled import fastest_compiled
+from graphamp.autotune.compiled import fastest_compiled
 from graphamp.compiled import CompiledOptimizerStep, compiled_for_training
 from graphamp.integrations import fsdp
 

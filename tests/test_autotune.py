@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphamp
-from graphamp.passes.autotune import MeasurementCache, Trial, measuring
+from graphamp.autotune.measure import MeasurementCache, Trial, measuring
 from graphamp.node_info import peek
 from graphamp.testing import zoo
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import graphamp
-from graphamp import autotune_compiled
-from graphamp.passes.autotune import MeasurementCache, Trial, measuring
+from graphamp.autotune import compiled as autotune_compiled
+from graphamp.autotune.measure import MeasurementCache, Trial, measuring
 
 BF16 = torch.bfloat16
 

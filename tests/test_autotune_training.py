@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import graphamp
-from graphamp.passes.autotune import MeasurementCache, Trial, measuring
+from graphamp.autotune.measure import MeasurementCache, Trial, measuring
 
 BF16 = torch.bfloat16
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from graphamp import autotune_compiled, bench
+from graphamp import bench
+from graphamp.autotune import compiled as autotune_compiled
 from graphamp.bench import Row
 from graphamp.cli import main
 from graphamp.hardware import assume_cpu_flags

@@ -17,9 +17,9 @@ from graphamp.compiled import (
     CompiledAmpModule,
     CompileError,
     CompileFallbackWarning,
-    _Inductor,
     measure_drift,
 )
+from graphamp.backend.inductor import Inductor
 from graphamp.testing import zoo
 
 BF16 = torch.bfloat16
@@ -147,7 +147,7 @@ def test_compile_failure_raises_a_typed_error(monkeypatch):
     def broken(self, gm, example_inputs):
         raise RuntimeError("inductor says no")
 
-    monkeypatch.setattr(_Inductor, "__call__", broken)
+    monkeypatch.setattr(Inductor, "__call__", broken)
     with pytest.raises(CompileError, match="compile=False") as info:
         graphamp.convert(_block(), (torch.randn(2, 16),), compile=True, self_check="off")
     assert isinstance(info.value, graphamp.GraphampError) and info.value.__cause__ is not None
@@ -160,7 +160,7 @@ def test_a_later_compile_failure_falls_back_with_a_warning(monkeypatch):
     def broken(self, gm, example_inputs):
         raise RuntimeError("inductor says no")
 
-    monkeypatch.setattr(_Inductor, "__call__", broken)
+    monkeypatch.setattr(Inductor, "__call__", broken)
     other = torch.randn(9, 16)  # a new size: dynamo compiles again, and fails
     with pytest.warns(CompileFallbackWarning, match="uncompiled"):
         y = cm(other)
@@ -264,8 +264,8 @@ def test_autotune_raised_outputs_are_compiled_not_refused(monkeypatch):
     # drift says why its dtypes differ from eager autocast's. The compiled choice is timed with fake
     # times too (the plan's program fastest): on a CPU that emulates bf16 real times may keep
     # autocast's dtypes, whose outputs are bf16.
-    from graphamp import autotune_compiled
-    from graphamp.passes.autotune import MeasurementCache, measuring
+    from graphamp.autotune import compiled as autotune_compiled
+    from graphamp.autotune.measure import MeasurementCache, measuring
 
     model = _block().eval()
     x = torch.randn(4, 16)

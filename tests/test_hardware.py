@@ -11,7 +11,7 @@ from torch import nn
 import graphamp
 from graphamp import hardware
 from graphamp.hardware import Capability, assume_cpu_flags, capability, missing_feature, parse_cpuinfo
-from graphamp.passes.autotune import MeasurementCache, measuring
+from graphamp.autotune.measure import MeasurementCache, measuring
 
 
 @pytest.fixture(autouse=True)

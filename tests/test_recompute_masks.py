@@ -12,7 +12,8 @@ from torch import nn
 from torch._inductor.decomposition import select_decomp_table
 
 import graphamp
-from graphamp.compiled import CompiledAmpModule, _Inductor, inductor_patches
+from graphamp.backend.inductor import Inductor, inductor_patches
+from graphamp.compiled import CompiledAmpModule
 from graphamp.passes import recompute_masks as recompute_masks_module
 from graphamp.passes.recompute_masks import RecomputeMasks, recompute_masks
 
@@ -139,8 +140,8 @@ def test_a_compiled_encoder_layer_trains_as_without_the_pass(monkeypatch):
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         for with_pass in (True, False):
             if not with_pass:
-                init = _Inductor.__init__
-                monkeypatch.setattr(_Inductor, "__init__", lambda self, p: init(self, {k: v for k, v in p.items() if k != "joint_custom_pre_pass"}))
+                init = Inductor.__init__
+                monkeypatch.setattr(Inductor, "__init__", lambda self, p: init(self, {k: v for k, v in p.items() if k != "joint_custom_pre_pass"}))
             cm = CompiledAmpModule(amp, freezing=False)
             model.zero_grad()
             out = cm(x)

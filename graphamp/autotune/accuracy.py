@@ -3,7 +3,7 @@
 Measured on the example, from the same random state on every side: the relative RMS error of the
 floating outputs and, where the conversion keeps gradients, of the parameters' gradients of a fixed
 random projection. :func:`no_less_accurate` keeps the plan, raises every op, or undoes the raises;
-the compiled choice (``graphamp.autotune_compiled``) compares its candidates with the same measure.
+the compiled choice (``graphamp.autotune.compiled``) compares its candidates with the same measure.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from graphamp.eager import rng_kept
-from graphamp.passes.autotune import PLAN_META
-from graphamp.plan import AutotunePlan
+from graphamp.autotune.plan import PLAN_META
+from graphamp.autotune.plan import AutotunePlan
 from graphamp.policy import short_dtype
 from graphamp.eager import state_restored
 from graphamp.spec import AmpSpec, ambient_autocast

@@ -54,7 +54,7 @@ from graphamp.backend.retrace import _retrace
 from graphamp.backend.fill_values import check_fill_values
 from graphamp.backend.options import INNER_COMPILERS
 from graphamp.backend.weight_casts import share_parameter_casts
-from graphamp.compiled import inductor_patches
+from graphamp.backend.inductor import inductor_patches
 
 
 __all__ = ["BackendOptions", "INNER_COMPILERS", "graphamp_backend", "rewrite"]
@@ -83,13 +83,13 @@ def graphamp_backend(
     opts = BackendOptions.parse(options)
     # Dynamo holds the capture lock while it calls a backend; taken again for direct calls.
     with capture_lock():
-        return _compile(gm, example_inputs, opts, mode)
+        return _compile(gm, example_inputs, opts, inductor_mode=mode)
 
 
-def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, mode: str | None) -> Callable[..., Any]:
-    if mode is not None and opts.inner != "inductor":
+def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, *, inductor_mode: str | None) -> Callable[..., Any]:
+    if inductor_mode is not None and opts.inner != "inductor":
         raise OptionError(
-            f"torch.compile(mode={mode!r}) configures inductor, but graphamp's inner compiler is "
+            f"torch.compile(mode={inductor_mode!r}) configures inductor, but graphamp's inner compiler is "
             f"{opts.inner!r}; drop mode= or use options={{'inner': 'inductor'}}"
         )
     device_type = opts.device_type or _device_type_of(gm, example_inputs)
@@ -119,10 +119,10 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
     split = split_dropped_masks(gm, sdpa_calls, example_inputs)
     with autocast_off():
         amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=[] if split else sdpa_calls)
-        compiled = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, mode, inference=inference))
+        compiled = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, inductor_mode, inference=inference))
         if split is not None:
             amp_gm = rewrite(split.eager_program, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=sdpa_calls)
-            eager_program = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, mode, inference=inference))
+            eager_program = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, inductor_mode, inference=inference))
             compiled = dispatch(split, eager_program, compiled)
     if spec.check and opts.self_check:
         # inner="eager" claims bitwise: check what runs (AOTAutograd decomposes some ops in
@@ -206,7 +206,7 @@ def _enables_grad(gm: GraphModule) -> bool:
     )
 
 
-def _hand_off(amp_gm: GraphModule, example_inputs: Sequence[Any], inner: str, mode: str | None, *, inference: bool = False) -> Callable[..., Any]:
+def _hand_off(amp_gm: GraphModule, example_inputs: Sequence[Any], inner: str, inductor_mode: str | None, *, inference: bool = False) -> Callable[..., Any]:
     """Compile the rewritten graph with AOTAutograd and the inner compiler; inner="eager" without
     grad runs the graph itself (its ATen ops are eager's; AOTAutograd would decompose some)."""
     if inner == "eager" and inference:
@@ -219,7 +219,7 @@ def _hand_off(amp_gm: GraphModule, example_inputs: Sequence[Any], inner: str, mo
     from torch._inductor.compile_fx import compile_fx
 
 
-    return compile_fx(amp_gm, list(example_inputs), config_patches=inductor_patches(**(list_mode_options(mode) if mode else {})))
+    return compile_fx(amp_gm, list(example_inputs), config_patches=inductor_patches(**(list_mode_options(inductor_mode) if inductor_mode else {})))
 
 
 def _eager_graph(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:

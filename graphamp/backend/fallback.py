@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphamp.backend import graphamp_backend
 from graphamp.errors import CaptureError
 from graphamp.eager import state_restored
 from graphamp.spec import AmpSpec, ambient_autocast
@@ -82,8 +83,6 @@ class DynamoAmpModule(nn.Module):
     def _compiled(self) -> Any:
         compiled = self.__dict__["_graphamp_compiled"]
         if compiled is None:
-            from graphamp.backend import graphamp_backend  # lazy: graphamp imports this module before the backend, which imports capture
-
             spec = self.graphamp_spec
             options = {"dtype": spec.dtype, "device_type": spec.device_type, "mode": spec.mode, "inner": "eager"}
             if not spec.config.is_default:

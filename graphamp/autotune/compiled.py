@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils import benchmark
 
 from graphamp.emit import AmpModule
-from graphamp.passes.autotune import PLAN_META
-from graphamp.plan import AutotunePlan
+from graphamp.autotune.plan import PLAN_META
+from graphamp.autotune.plan import AutotunePlan
 from graphamp.policy import short_dtype
 from graphamp.spec import AmpSpec
 from graphamp.autotune.accuracy import checked_params, errors_against_fp32

@@ -19,8 +19,9 @@ import torch
 from graphamp.errors import PlanMismatchError
 from graphamp.runtime import FrozenDict
 
-__all__ = ["AutotunePlan", "PlanMismatchError", "fingerprint"]
+__all__ = ["PLAN_META", "AutotunePlan", "PlanMismatchError", "fingerprint"]
 
+PLAN_META = "graphamp_autotune_plan"  # gm.meta key (the module's, not a node's) holding the plan
 _VERSION = 1
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -78,7 +79,7 @@ class AutotunePlan:
     accuracy: str = ""
     check_s: float = 0.0
     # convert(compile=True): the compiled candidate programs timed whole and the one chosen
-    # (graphamp.autotune_compiled); "" where none were timed.
+    # (graphamp.autotune.compiled); "" where none were timed.
     compiled: str = ""
 
     def __post_init__(self) -> None:
