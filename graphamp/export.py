@@ -21,7 +21,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from graphamp.capture.export import _dynamic_shapes
+from graphamp.capture.export import dynamic_shapes
 from graphamp.capture.kernels import eager_kernel_metas
 from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.config import Config
@@ -187,7 +187,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, dynamic:
         warnings.filterwarnings("ignore", message=".*were assigned during export.*")
         try:
             ep = torch.export.export(
-                gm, args, kwargs, dynamic_shapes=_dynamic_shapes(gm, args, kwargs) if dynamic else None, strict=False,
+                gm, args, kwargs, dynamic_shapes=dynamic_shapes(gm, args, kwargs) if dynamic else None, strict=False,
             )
         except Exception as e:
             raise ExportError(

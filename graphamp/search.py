@@ -35,7 +35,7 @@ from graphamp.convert import check_inputs
 from graphamp.pipeline import build
 from graphamp.eager import rng_kept
 from graphamp.errors import SearchError, SearchWarning
-from graphamp.explain import Explanation, _explain
+from graphamp.explain import Explanation, explain_converted
 from graphamp.explain.numerics import buffers_restored, run_fp32, run_side_by_side
 from graphamp.spec import AmpSpec, autocast_off
 
@@ -193,7 +193,7 @@ class _Search:
         spec = dataclasses.replace(self.spec, config=self._config(kept))
         amp = build(self.model, self.args, self.kwargs, spec)
         run = run_side_by_side(amp, self.model, self.args, self.kwargs)
-        explanation = _explain(self.model, amp, self.args, self.kwargs, spec, run=run)
+        explanation = explain_converted(self.model, amp, self.args, self.kwargs, spec, run=run)
         outputs = run[1]
         try:
             passed = bool(self.validate(outputs))

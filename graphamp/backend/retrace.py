@@ -25,7 +25,7 @@ from graphamp.backend.functorch_regions import (
     region_nodes,
     run_region,
 )
-from graphamp.capture.functions import _below_tracer
+from graphamp.capture.functions import below_tracer
 from graphamp.node_info import NodeInfo
 from graphamp.policy import Policy
 from graphamp.runtime import (
@@ -276,7 +276,7 @@ def _record_kept_call(run: Any, kept: torch.nn.Module, operands: Sequence[Any], 
     submodule of it), and return its outputs: fake values with eager's dtypes, from running it
     below the tracer (under autocast, unrecorded)."""
     mode = _get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY)
-    with _below_tracer():
+    with below_tracer():
         out = run(kept, *operands)
     tracer = mode.tracer
     name = tracer.get_fresh_qualname(qualname)

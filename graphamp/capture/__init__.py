@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from graphamp.shared_state import capture_lock
-from graphamp.capture.export import _describe, _dynamic_shapes, _export, _is_retryable, _model_conditions, _model_ranges, _unregistered_output
+from graphamp.capture.export import _describe, dynamic_shapes, _export, _is_retryable, _model_conditions, _model_ranges, _unregistered_output
 from graphamp.capture.functions import _bind_kept_functions
 from graphamp.capture.torchscript import script_graph
 from graphamp.errors import BannedOpError, CaptureError, EagerPathWarning, GraphampError, PromoteTypeError
@@ -144,10 +144,10 @@ def _export_first_that_works(
     length reaches an op as a SymBool; a size used as a pytree key); the converted module then
     converts again for each other shape class it is called with.
     """
-    dynamic_shapes = _dynamic_shapes(model, args, kwargs)
+    every_dim = dynamic_shapes(model, args, kwargs)
     first: Exception | None = None
     for eager_flags in (True, False):
-        for shapes in (dynamic_shapes, None):
+        for shapes in (every_dim, None):
             try:
                 ep, keeper = _export(model, args, kwargs, shapes, device_type, dtype, eager_flags=eager_flags)
             except GraphampError:

@@ -24,7 +24,7 @@ from graphamp.shared_state import capture_lock, printed_output_held
 from graphamp.spec import ambient_autocast
 
 
-def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     # Every dim of every tensor input may vary; export keeps static what the model pins down.
     shapes = ShapesCollection()
     for leaf in pytree.tree_leaves((args, kwargs)):

@@ -82,7 +82,7 @@ class _FunctionKeeper:
         states, cache_enabled = current_autocast_state()
         self.busy = True
         try:
-            with _below_tracer():
+            with below_tracer():
                 out = apply(*args, **kwargs)
         except GraphampError:
             raise
@@ -119,7 +119,7 @@ def _recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _below_tracer() -> Iterator[None]:
+def below_tracer() -> Iterator[None]:
     """Run code below export's pre-dispatch tracer: ops reach autocast and fake tensors, unrecorded.
 
     The same dispatch-key switch as torch._export.wrappers.allow_in_pre_dispatch_graph; the

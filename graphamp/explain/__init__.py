@@ -27,7 +27,7 @@ from graphamp.emit import AmpModule
 from graphamp.explain.html import render
 from graphamp.explain.numerics import GradNumerics, NodeNumerics, cast_target, finite, grad_underflow, record_of, run_side_by_side
 from graphamp.spec import AmpSpec
-from graphamp.verify.report import _errors
+from graphamp.verify.report import error_metrics
 
 from graphamp.node_info import innermost_module
 from graphamp.policy import LOW_DTYPES, short_dtype
@@ -254,10 +254,10 @@ def explain(
     spec = AmpSpec.resolve(model, (args, kwargs), dtype=dtype, device_type=device_type, config=config)
     amp = build(model, args, kwargs, spec)
     run = run_side_by_side(amp, model, args, kwargs) if numerics else None
-    return _explain(model, amp, args, kwargs, spec, run=run, grads=grads)
+    return explain_converted(model, amp, args, kwargs, spec, run=run, grads=grads)
 
 
-def _explain(model: nn.Module, amp: AmpModule, args: tuple, kwargs: dict, spec: AmpSpec, *, run: tuple[Any, Any] | None, grads: bool = False) -> Explanation:
+def explain_converted(model: nn.Module, amp: AmpModule, args: tuple, kwargs: dict, spec: AmpSpec, *, run: tuple[Any, Any] | None, grads: bool = False) -> Explanation:
     """The explanation of an already converted ``amp``; ``run`` is ``run_side_by_side``'s result,
     or None without numerics (search reuses its trials' conversions and runs)."""
     interp, outputs = run if run is not None else (None, None)
@@ -460,7 +460,7 @@ def _output_numerics(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) 
     for (keypath, g), w in zip(got, want):
         if not (isinstance(g, torch.Tensor) and g.is_floating_point() and isinstance(w, torch.Tensor) and g.shape == w.shape):
             continue
-        abs_err, rel_err, sqnr = _errors(g, w)
+        abs_err, rel_err, sqnr = error_metrics(g, w)
         nonfinite = int((~torch.isfinite(g) & torch.isfinite(w)).sum())
         out.append(OutputNumerics(pytree.keystr(keypath), short_dtype(g.dtype), abs_err, rel_err, sqnr, nonfinite))
     return tuple(out)

@@ -32,7 +32,7 @@ from graphamp.policy import LOW_DTYPES
 from graphamp.eager import RngState, rng_kept
 from graphamp.node_info import NodeInfo, peek
 from graphamp.runtime import cached_cast
-from graphamp.verify.report import _errors
+from graphamp.verify.report import error_metrics
 from graphamp.eager import fixed_loss
 from graphamp.spec import autocast_off
 
@@ -168,7 +168,7 @@ class SideBySide(Interpreter):
         ref_finite = torch.isfinite(ref)
         overflow = int((~torch.isfinite(low) & ref_finite).sum())
         underflow = int(((low == 0) & (ref != 0)).sum())
-        abs_err, rel_err, sqnr = _errors(low, ref)
+        abs_err, rel_err, sqnr = error_metrics(low, ref)
         lowered = low.dtype in LOW_DTYPES or any(
             _floating(v) and v.dtype in LOW_DTYPES for v in pytree.tree_leaves(self.fetch_args_kwargs_from_env(n))
         )
@@ -178,7 +178,7 @@ class SideBySide(Interpreter):
             if local is None or local.shape != ref.shape:
                 local_rel = None
             else:
-                local_rel = _errors(local, ref)[1]
+                local_rel = error_metrics(local, ref)[1]
                 local_overflow = int((~torch.isfinite(local) & ref_finite).sum())
         rng.restore()
         self.numerics[n.name] = NodeNumerics(low.numel(), abs_err, rel_err, sqnr, overflow, underflow, local_rel, local_overflow)
@@ -264,7 +264,7 @@ def grad_underflow(model: nn.Module, amp: GraphModule, args: tuple, kwargs: dict
         count = int(nonzero.sum())
         frac = (lambda g: float(((g == 0) & nonzero).sum()) / count if count else 0.0)
         out.append(GradNumerics(
-            name, p.numel(), count, frac(lo), frac(sc), int((~torch.isfinite(sc)).sum()), _errors(lo, r)[1],
+            name, p.numel(), count, frac(lo), frac(sc), int((~torch.isfinite(sc)).sum()), error_metrics(lo, r)[1],
         ))
     return tuple(out)
 

@@ -22,7 +22,7 @@ from graphamp.passes.graph_edit import is_graphamp_cast
 from graphamp.node_info import innermost_module, peek
 from graphamp.policy import short_dtype
 from graphamp.eager import fixed_loss  # the fixed loss both sides backpropagate
-from graphamp.verify.report import GradCheck, GradDivergence, _equal_nan, _errors
+from graphamp.verify.report import GradCheck, GradDivergence, _equal_nan, error_metrics
 from graphamp.verify.signatures import _is_passthrough, _op_name, _type_name
 from graphamp.eager import rng_kept
 
@@ -132,7 +132,7 @@ def _grad_check(name: str, kind: str, got: torch.Tensor | None, want: torch.Tens
     if got is None or want is None or got.shape != want.shape:
         return GradCheck(name, kind, dtype, eager_dtype, False, None, None, None)
     equal = got.dtype == want.dtype and (torch.equal(got, want) or _equal_nan(got, want))
-    return GradCheck(name, kind, dtype, eager_dtype, equal, *_errors(got, want))
+    return GradCheck(name, kind, dtype, eager_dtype, equal, *error_metrics(got, want))
 
 
 def _grad_checks(got: _GradRun, want: _GradRun) -> tuple[GradCheck, ...]:
@@ -165,7 +165,7 @@ def _first_divergent_gradient(got: _GradRun, want: _GradRun) -> tuple[tuple[int,
                 if g.dtype == w.dtype and (torch.equal(g, w) or _equal_nan(g, w)):
                     continue
                 if latest is None or g1 + k > latest[0]:
-                    latest = (g1 + k, j, _errors(g, w)[0] or math.inf)
+                    latest = (g1 + k, j, error_metrics(g, w)[0] or math.inf)
                 break
     return latest, only_got, only_want
 

@@ -284,11 +284,11 @@ def _compare_leaf(index: int, path: str, got: Any, want: Any, values: bool) -> O
     if not shape_match:
         return OutputCheck(index, path, short_dtype(got.dtype), short_dtype(want.dtype), dtype_match, False, False, None, None, None)
     equal = dtype_match and (torch.equal(got, want) or _equal_nan(got, want))
-    abs_err, rel_err, sqnr = _errors(got, want)
+    abs_err, rel_err, sqnr = error_metrics(got, want)
     return OutputCheck(index, path, short_dtype(got.dtype), short_dtype(want.dtype), dtype_match, True, equal, abs_err, rel_err, sqnr)
 
 
-def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float | None, float | None, float | None]:
+def error_metrics(got: torch.Tensor, want: torch.Tensor) -> tuple[float | None, float | None, float | None]:
     """Max abs error, max abs error relative to max |want|, and SQNR in dB, over finite elements."""
     if got.dtype == torch.bool or got.is_complex() or want.is_complex():
         return None, None, None
