@@ -13,9 +13,10 @@ Splitting the step this way is exact because, without autocast's cache, every ca
 op that makes it: the forward's casts and the loss's casts never share a tensor.
 
 For the duration of each step the converted module's ``forward`` (the LightningModule's own, or the
-submodule named by ``module=``) is bound to the converted graph, one per training mode (``train()``
-for training steps, ``eval()`` for validation, test and predict), converted on first use and
-checked against eager autocast on that batch (``self_check``). Outside the steps the model is
+submodule named by ``module=``) is bound to one :class:`~graphamp.AmpModule`, converted on first use
+and checked against eager autocast on that batch (``self_check``); it converts itself again, checked
+alike, for the other training mode (``train()`` for training steps, ``eval()`` for validation, test
+and predict) and for another input structure or shape class. Outside the steps the model is
 untouched.
 
 Validation, test and predict run without grad, where eager sometimes takes another kernel than any
@@ -41,11 +42,9 @@ from torch.utils import _pytree as pytree
 
 import graphamp
 from graphamp.config import Config
-from graphamp.eager import rng_kept
-from graphamp.emit import input_signature
+from graphamp.eager import rng_kept, state_restored
 from graphamp.errors import OptionError, PolicyDriftWarning
 from graphamp.policy import DEVICE_TYPES
-from graphamp.emit import SELF_CHECK_META
 
 try:
     import pytorch_lightning as pl
@@ -63,8 +62,9 @@ __all__ = ["GraphampFabricPrecision", "GraphampPrecision"]
 _PRECISIONS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _SELF_CHECKS = ("raise", "warn", "off")
 _NO_GRAD_ONLY = "under torch.no_grad"  # how convert's self-check words a difference only without grad
-# Set while a conversion (or its self-check) runs a model eagerly: every routed forward is eager
-# then, including another routed module's called inside it.
+# Set while a routed call runs: a routed forward called meanwhile is called by a conversion (or its
+# self-check, or the AmpModule converting itself again), which runs the model eagerly, including
+# another routed module inside it.
 _CONVERTING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_lightning_converting", default=False)
 
 
@@ -85,22 +85,24 @@ def _precision_error(precision: object, owner: str = "GraphampPrecision", flag: 
 
 
 class _Router:
-    """Binds a module's ``forward`` to graphs converted from it, for the duration of a step.
+    """Binds a module's ``forward`` to its converted module for the duration of a step.
 
-    One conversion per training mode and input structure, made on first use with the step's
-    inputs; the conversion, its self-check and later conversions for other shapes see the module's
-    own forward. ``owner`` and ``recipe`` name the plugin and the eager recipe in messages.
+    One :class:`~graphamp.AmpModule`, converted by :func:`graphamp.convert` at the first call from
+    that call's inputs; the AmpModule converts itself again for the other training mode and for
+    another input structure or shape class. Those conversions, and their self-checks, see the
+    module's own forward. ``owner`` and ``recipe`` name the plugin and the eager recipe in messages.
     """
 
     def __init__(
-        self, target: nn.Module, root: nn.Module, *, dtype: torch.dtype, device: str, config: Config, self_check: str,
+        self, target: nn.Module, *, dtype: torch.dtype, device: str, config: Config, self_check: str,
         owner: str, recipe: str,
     ) -> None:
-        self.target, self.root = target, root
+        self.target = target
         self.dtype, self.device, self.config, self.self_check = dtype, device, config, self_check
         self.owner, self.recipe = owner, recipe
-        self.converted: dict[bool, nn.Module] = {}  # the first conversion of each training mode
-        self.by_structure: dict[tuple, nn.Module] = {}
+        self.amp: nn.Module | None = None
+        # By training mode, once its graph ran: what its self-check found only without grad ("" if nothing).
+        self.no_grad_problem: dict[bool, str] = {}
         self.calls = 0
         self._warned: set[bool] = set()
 
@@ -112,16 +114,13 @@ class _Router:
 
         @functools.wraps(eager)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            # Conversion, its self-check and a shape class's conversion call the model: eagerly.
+            # Conversion, its self-check and the AmpModule's own conversions call the model: eagerly.
             if _CONVERTING.get():
                 return eager(*args, **kwargs)
             self.calls += 1
             token = _CONVERTING.set(True)
             try:
-                amp = self._converted_for(previous, args, kwargs)
-                if not torch.is_grad_enabled() and self._eager_without_grad(amp):
-                    return eager(*args, **kwargs)  # under the step's autocast: the recipe's own program
-                return amp(*args, **kwargs)
+                return self._call(eager, previous, args, kwargs)
             finally:
                 _CONVERTING.reset(token)
 
@@ -134,53 +133,76 @@ class _Router:
             else:
                 target.forward = previous
 
-    def _converted_for(self, previous: Any, args: tuple, kwargs: dict) -> nn.Module:
+    def _call(self, eager: Any, previous: Any, args: tuple, kwargs: dict) -> Any:
+        training = self.target.training
+        if training not in self.no_grad_problem:
+            # The first call in this mode converts its graph (graphamp.convert, or the AmpModule
+            # again), whose self-check says whether eager takes another kernel without grad. A call
+            # without grad runs it from a restored state: it may run eagerly after all.
+            if torch.is_grad_enabled():
+                return self._first_in_mode(training, previous, args, kwargs)
+            with state_restored(self.target):
+                self._first_in_mode(training, previous, args, kwargs)
+        if not torch.is_grad_enabled() and self._eager_without_grad(training):
+            return eager(*args, **kwargs)  # under the step's autocast: the recipe's own program
+        return self._run(args, kwargs)
+
+    def _first_in_mode(self, training: bool, previous: Any, args: tuple, kwargs: dict) -> Any:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if self.amp is None:
+                self.amp = self._convert(previous, args, kwargs)
+            out = self._run(args, kwargs)
+        problem = ""
+        for w in caught:
+            text = str(w.message)
+            # A difference only without grad is the router's to handle (_eager_without_grad).
+            if issubclass(w.category, PolicyDriftWarning) and _NO_GRAD_ONLY in text:
+                problem = text[text.index(_NO_GRAD_ONLY):].split(". ")[0]
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self.no_grad_problem[training] = problem
+        return out
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        """The AmpModule in the module's training mode on these inputs. A step under
+        inference_mode (validation) hands in inference tensors, which a conversion the AmpModule
+        makes on the way (another mode, structure or shape class: capture, the self-check with
+        grad) cannot use: such calls run on copies, in the step's grad mode."""
+        amp = self.amp
+        if amp.training != self.target.training:
+            amp.train(self.target.training)
+        if not torch.is_inference_mode_enabled():
+            return amp(*args, **kwargs)
+        grad = torch.is_grad_enabled()
+        with torch.inference_mode(False), torch.set_grad_enabled(grad):
+            args, kwargs = pytree.tree_map(_normal_tensor, (args, kwargs))
+            return amp(*args, **kwargs)
+
+    def _convert(self, previous: Any, args: tuple, kwargs: dict) -> nn.Module:
         target = self.target
-        # A graph holds one input structure (positional count, keyword names, non-tensor values);
-        # a step that calls the forward another way gets a conversion of its own.
-        key = (target.training, input_signature(args, kwargs))
-        try:
-            amp = self.by_structure.get(key)
-        except TypeError:  # an unhashable non-tensor argument: the mode's graph says what differs
-            key, amp = None, self.converted.get(target.training)
-        if amp is not None:
-            return amp
         # Tracing must see the model's own forward, and a step under inference_mode (validation)
         # hands in inference tensors, which a conversion (capture, self-check with grad) cannot use.
         routed = target.__dict__.pop("forward")
         if previous is not None:
             target.forward = previous
         try:
-            with (
-                torch.inference_mode(False), torch.enable_grad(), rng_kept(),
-                _same_containers(self.root), warnings.catch_warnings(record=True) as caught,
-            ):
-                warnings.simplefilter("always")
+            with torch.inference_mode(False), torch.enable_grad(), rng_kept():
                 ex_args, ex_kwargs = pytree.tree_map(_normal_tensor, (args, kwargs))
-                amp = graphamp.convert(
+                return graphamp.convert(
                     target, ex_args, ex_kwargs, dtype=self.dtype, device_type=self.device, config=self.config,
                     self_check=self.self_check,
                 )
         finally:
             target.forward = routed
-        for w in caught:
-            # A difference only without grad is the router's to handle (_eager_without_grad).
-            if not (issubclass(w.category, PolicyDriftWarning) and _NO_GRAD_ONLY in str(w.message)):
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        self.converted.setdefault(target.training, amp)
-        if key is not None:
-            self.by_structure[key] = amp
-        return amp
 
-    def _eager_without_grad(self, amp: nn.Module) -> bool:
-        """Whether calls without grad run the model eagerly: the conversion's self-check found that
-        without grad eager takes another kernel path than the graph (a fused inference kernel such
-        as nn.MultiheadAttention's), so the graph would not give the recipe's numbers."""
-        check = amp.meta.get(SELF_CHECK_META)
-        problem = check.get("problem", "") if isinstance(check, dict) else getattr(check, "problem", "")
-        if not problem.startswith(_NO_GRAD_ONLY):
+    def _eager_without_grad(self, training: bool) -> bool:
+        """Whether calls without grad run the model eagerly: the self-check of this mode's graph
+        found that without grad eager takes another kernel path than the graph (a fused inference
+        kernel such as nn.MultiheadAttention's), so the graph would not give the recipe's numbers."""
+        problem = self.no_grad_problem.get(training, "")
+        if not problem:
             return False
-        training = self.target.training
         if training not in self._warned:
             self._warned.add(training)
             warnings.warn(
@@ -189,9 +211,14 @@ class _Router:
                 f"eager takes another kernel path than graphamp's graph ({problem[:200]}). Calls with grad run "
                 "the converted graph. Results are the recipe's either way.",
                 PolicyDriftWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         return True
+
+    @property
+    def converted(self) -> dict[bool, nn.Module]:
+        """The one converted module, under each training mode it has run in."""
+        return dict.fromkeys(self.no_grad_problem, self.amp) if self.amp is not None else {}
 
 
 class GraphampPrecision(MixedPrecision):
@@ -212,9 +239,10 @@ class GraphampPrecision(MixedPrecision):
             validation, test and predict always run the graph.
 
     Attributes:
-        converted: the converted modules by training mode (True for ``train()``), made on first
-            use in each ``fit``/``validate``/``test``/``predict`` and kept after it for inspection
-            (a forward called with another input structure in the same mode gets its own).
+        converted: the converted module under each training mode it has run in (True for
+            ``train()``): one :class:`~graphamp.AmpModule`, made on first use in each
+            ``fit``/``validate``/``test``/``predict`` and kept after it for inspection, which holds
+            the graphs of both modes and of every input structure and shape class it met.
 
     >>> import pytorch_lightning as pl
     >>> class Lit(pl.LightningModule):
@@ -305,7 +333,7 @@ class GraphampPrecision(MixedPrecision):
         self.device = device
         # A new fit/validate/...: this model, converted afresh.
         self._router = _Router(
-            target, model, dtype=self.dtype, device=device, config=self.config, self_check=self.self_check,
+            target, dtype=self.dtype, device=device, config=self.config, self_check=self.self_check,
             owner="GraphampPrecision", recipe=f"precision={self.precision!r}",
         )
         return super().connect(model, optimizers, lr_schedulers)
@@ -362,32 +390,6 @@ class GraphampPrecision(MixedPrecision):
         )
 
 
-@contextlib.contextmanager
-def _same_containers(model: nn.Module) -> Iterator[None]:
-    """Keep the model's list, dict and set attributes the same objects across a conversion.
-
-    torch.export (non-strict) restores module attributes after tracing by assigning copies, so a
-    step's ``self.outputs.append(self(x))`` (the list looked up before the call) would append to a
-    list the module no longer holds. The originals are put back, holding what export restored.
-    """
-    kept = [
-        (m, key, value) for m in model.modules() for key, value in vars(m).items() if type(value) in (list, dict, set)
-    ]
-    try:
-        yield
-    finally:
-        for m, key, value in kept:
-            now = m.__dict__.get(key)
-            if now is value or type(now) is not type(value):
-                continue
-            if isinstance(value, list):
-                value[:] = now
-            else:
-                value.clear()
-                value.update(now)
-            m.__dict__[key] = value
-
-
 def _normal_tensor(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.is_inference():
         return value.clone()
@@ -400,8 +402,9 @@ class GraphampFabricPrecision(FabricMixedPrecision):
     ``Fabric(precision="bf16-mixed")`` casts a module's floating inputs to bf16, runs its forward
     under ``torch.autocast(device, dtype)`` (with the weight-cast cache, unlike the Trainer's plugin),
     and casts floating outputs back to fp32; the loss and backward run outside autocast. This plugin
-    keeps all of that and runs each forward as a graph converted on its first call (per module
-    ``fabric.setup`` was given, training mode and input structure), so outputs, gradients and
+    keeps all of that and runs each forward (of each module ``fabric.setup`` was given) as the
+    :class:`~graphamp.AmpModule` converted at its first call, which converts itself again for
+    another training mode or input structure, so outputs, gradients and
     parameters are bitwise those of ``Fabric(precision=...)``; ``"16-mixed"`` keeps Fabric's GradScaler.
 
     Args:
@@ -500,7 +503,7 @@ class GraphampFabricPrecision(FabricMixedPrecision):
                 self.scaler = torch.amp.GradScaler(device=device)
             self.device = device
             router = self._routers[id(module)] = _Router(
-                module, module, dtype=self.dtype, device=device, config=self.config, self_check=self.self_check,
+                module, dtype=self.dtype, device=device, config=self.config, self_check=self.self_check,
                 owner="GraphampFabricPrecision", recipe=f"Fabric(precision={self.precision!r})",
             )
         return router
