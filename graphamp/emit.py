@@ -38,9 +38,9 @@ from graphamp.model_state import ModelState
 from graphamp.eager import difference_without
 from graphamp.shared_state import in_capture
 from graphamp.runtime import (
-    _MODEL, _NODE_META, RESTORE_ON_REFUSAL, AmpTracer, InputGuard, _node_meta_record, cached_cast, read_state, rebuild_amp_module,
-    restored_on_refusal,
+    RESTORE_ON_REFUSAL, AmpTracer, InputGuard, cached_cast, read_state, rebuild_amp_module, restored_on_refusal,
 )
+from graphamp.runtime_saved import MODEL, NODE_META, node_meta_record
 
 __all__ = ["AmpModule", "AmpInfo", "SelfCheck", "emit", "input_signature", "describe_signature"]
 
@@ -272,7 +272,7 @@ class AmpModule(GraphModule):
         proven = self.__dict__.setdefault(ALL_ONES_PROVEN, {})
         verdict = proven.get(key)
         if verdict is None:
-            model = self.__dict__.get(_MODEL)
+            model = self.__dict__.get(MODEL)
             if model is None or len(proven) >= MAX_ALL_ONES_PROVEN:
                 return kwargs
             with _reconversion_lock(self):
@@ -325,7 +325,7 @@ class AmpModule(GraphModule):
 
     def _converted_as(self, training: bool, grad_free: bool, args: tuple, kwargs: dict) -> AmpModule:
         """The model converted again in another training mode, or for calls without grad."""
-        model = self.__dict__.get(_MODEL)
+        model = self.__dict__.get(MODEL)
         mode = ("training" if training else "eval") + (" without grad" if grad_free else "")
         if model is None:
             raise InputMismatchError(
@@ -382,7 +382,7 @@ class AmpModule(GraphModule):
         """Raise :class:`graphamp.ModelChangedError` if the model does not hold, under each name it
         held a parameter or buffer at conversion, the object this module's graph reads (compared by
         identity): one of them was replaced on one side only."""
-        model, state = self.__dict__.get(_MODEL), self.__dict__.get(_MODEL_STATE)
+        model, state = self.__dict__.get(MODEL), self.__dict__.get(_MODEL_STATE)
         if model is None or state is None:
             return
         replaced = state.replaced(model, _reads(self))
@@ -449,7 +449,7 @@ class AmpModule(GraphModule):
         return variant._call_graph(args, kwargs)
 
     def _converted_for(self, refused: InputMismatchError, args: tuple, kwargs: dict) -> AmpModule:
-        model, variants = self.__dict__.get(_MODEL), self.__dict__.setdefault(_VARIANTS, [])
+        model, variants = self.__dict__.get(MODEL), self.__dict__.setdefault(_VARIANTS, [])
         shapes = (
             _shapes(args, kwargs) if isinstance(refused, InputShapeError)
             else "(values the model's code branches on)" if isinstance(refused, InputValueError)
@@ -510,7 +510,7 @@ class AmpModule(GraphModule):
         # The generated code runs the graph (_run); the class's forward is the dispatch, with the
         # model's signature, and its call nn.Module's (FX's wrapped call would bypass the dispatch).
         setattr(cls, _GRAPH, cls.__dict__["forward"])
-        cls.forward = _signed_forward(self.__dict__.get(_MODEL))
+        cls.forward = _signed_forward(self.__dict__.get(MODEL))
         if "__call__" in vars(cls):
             del cls.__call__
         return code
@@ -550,7 +550,7 @@ class AmpModule(GraphModule):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            model = self.__dict__.get(_MODEL)
+            model = self.__dict__.get(MODEL)
             if model is None or name.startswith("_"):
                 raise
         try:
@@ -593,11 +593,11 @@ class AmpModule(GraphModule):
         body.pop(ENGINE, None)  # files name only the runtime: the loaded module finds the engine by name
         # The model travels so that the loaded module converts again for other shape classes; its
         # parameters are pickled once, as the objects this module shares with it.
-        if body.get(_MODEL) is not None and not _picklable(body[_MODEL]):
-            body.pop(_MODEL)
+        if body.get(MODEL) is not None and not _picklable(body[MODEL]):
+            body.pop(MODEL)
         # Loading re-traces the code, which keeps no node meta: graphamp's record of each node
         # travels beside it, so a loaded module's cast_summary() still reports its casts.
-        body[_NODE_META] = _node_meta_record(self.graph, _saved_info)
+        body[NODE_META] = node_meta_record(self.graph, _saved_info)
         # convert's self-check record is a compile-time class: files hold its fields, a plain dict.
         check = body.get("meta", {}).get(SELF_CHECK_META)
         if dataclasses.is_dataclass(check):
@@ -774,7 +774,7 @@ def _needs_grad(amp: nn.Module, args: tuple, kwargs: dict) -> bool:
 def bind_model(amp: AmpModule, model: nn.Module) -> None:
     """Keep ``model`` with its converted module: to convert it again (other shapes, modes), to show
     its forward's signature, and to notice when its parameters are no longer the graph's."""
-    amp.__dict__[_MODEL] = model
+    amp.__dict__[MODEL] = model
     amp.__dict__[_MODEL_STATE] = ModelState(model, _reads(amp))
     if _GRAPH in type(amp).__dict__:  # a loaded module: its class's forward gets the signature now
         type(amp).forward = _signed_forward(model)

@@ -16,34 +16,30 @@ module a saved module names: ``torch.save`` writes a converted module's code wit
 ``tests/test_runtime.py`` checks both halves: a fresh save names nothing else, and the committed
 files in ``tests/fixtures/`` still load and run bitwise equal to eager autocast.
 
-A custom ``torch.autograd.Function`` is kept whole in a converted graph: one node calls
-:func:`apply_function`, which runs ``Function.apply`` under the autocast state eager autocast has
-at that point of ``forward``. Its forward therefore sees autocast as in eager (so
-``torch.amp.custom_fwd(cast_inputs=...)`` casts, and ``custom_bwd`` replays the state in
-backward), and autograd calls the Function's own ``backward``.
+Some of the runtime is defined in modules of its own, which import torch and ``graphamp.errors``
+only too: :mod:`graphamp.runtime_guards` (the input and value checks), :mod:`graphamp.runtime_autocast`
+(custom autograd Functions kept whole, fused kernels, under eager's autocast state) and
+:mod:`graphamp.runtime_saved` (the node record a saved module carries). Every name in ``__all__``
+is importable from here and carries this module as its ``__module__``, which is the path FX
+writes into generated code and pickle into files; so those modules can be rearranged freely too.
+``tests/test_runtime_layout.py`` checks it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
-import importlib
-import math
-import operator
-import pickle
 import sys
 import threading
-import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
 
-from graphamp.errors import InputMismatchError, InputShapeError, InputValueError
+from graphamp import runtime_autocast, runtime_guards, runtime_saved
+from graphamp.errors import InputValueError
 
 __all__ = [
     "AmpTracer",
@@ -64,11 +60,35 @@ __all__ = [
     "grad_casts_kept",
     "current_autocast_state",
     "fill",
+    "guard_size",
+    "guard_value",
     "read_state",
     "rebuild_amp_module",
     "set_grad_enabled",
     "size_condition_holds",
 ]
+
+# Defined in the runtime's own modules, named here.
+AutocastState = runtime_autocast.AutocastState
+KeptFunction = runtime_autocast.KeptFunction
+KeptGraphFunction = runtime_autocast.KeptGraphFunction
+PartialTemplate = runtime_autocast.PartialTemplate
+Slot = runtime_autocast.Slot
+apply_function = runtime_autocast.apply_function
+apply_graph_function = runtime_autocast.apply_graph_function
+autocast_op = runtime_autocast.autocast_op
+autocast_state = runtime_autocast.autocast_state
+current_autocast_state = runtime_autocast.current_autocast_state
+fill = runtime_autocast.fill
+qualified_name = runtime_autocast.qualified_name
+COMPILED_REFUSAL = runtime_guards.COMPILED_REFUSAL
+InputGuard = runtime_guards.InputGuard
+assert_condition = runtime_guards.assert_condition
+compiled_guards = runtime_guards.compiled_guards
+guard_size = runtime_guards.guard_size
+guard_value = runtime_guards.guard_value
+size_condition_holds = runtime_guards.size_condition_holds
+
 
 def set_grad_enabled(enabled: bool) -> bool:
     """Set grad mode and return the previous one; the graph calls it around a grad-mode region.
@@ -269,175 +289,6 @@ def read_state(root: nn.Module, *paths: tuple[str, ...]) -> list[Any]:
     return values
 
 
-class InputGuard(nn.Module):
-    """Checks that inputs match what the graph was converted for: dtype, device, rank, sizes.
-
-    Dims that export kept symbolic may vary within their range; other dims, and every dtype,
-    are fixed, because the casts were decided for them.
-    """
-
-    def __init__(
-        self, names: list[str], specs: list[tuple | None], ranges: dict[str, tuple[int, int | None]],
-        reasons: dict[str, str] | None = None, conditions: Sequence[tuple[str, tuple[str, ...], str]] = (),
-    ) -> None:
-        super().__init__()
-        self.names = names
-        self.specs = specs
-        self.ranges = ranges
-        self.reasons = reasons or {}  # per size: the model's condition that bounds it, and where
-        # The model's conditions on sizes that no range says (batch != 1): (Python source over the
-        # sizes, the sizes it reads, where the model tests it). Guards saved before have none.
-        self.conditions = list(conditions)
-        self._prepare_conditions()
-
-    def _prepare_conditions(self) -> None:
-        # Each condition as a function, made here and after loading, not while dynamo traces the
-        # compiled path: dynamo traces calling it (a guard on the sizes), not making it (eval).
-        fns = []
-        for source, sizes, _ in self.__dict__.get("conditions", ()):
-            try:
-                fns.append(_condition(source, sizes))
-            except Exception:  # a source that does not compile: the check says False, as below
-                fns.append(None)
-        self.__dict__["_condition_fns"] = fns
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state.pop("_condition_fns", None)  # functions made by eval do not pickle: made again on load
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._prepare_conditions()
-
-    def _condition_holds(self, i: int, source: str, sizes: tuple[str, ...], values: list[Any]) -> bool:
-        fns = self.__dict__.get("_condition_fns") or ()
-        fn = fns[i] if i < len(fns) else None
-        if fn is not None and torch.compiler.is_compiling():
-            return bool(fn(*values))
-        return size_condition_holds(source, sizes, values)
-
-    def _fast_specs(self) -> tuple | bool:
-        """Per input, what the fast path checks; False when some input needs the full check."""
-        counts: dict[str, int] = {}
-        for spec in self.specs:
-            for d in spec[2] if spec is not None else ():
-                if not isinstance(d, int):
-                    counts[d] = counts.get(d, 0) + 1
-        fast = tuple(_fast_spec_of(spec, self.ranges, counts) for spec in self.specs)
-        return False if any(f is False for f in fast) or self.__dict__.get("conditions") else fast
-
-    def forward(self, *inputs: Any) -> None:
-        # Fast path, once per call: every tensor input has the dtype, device and rank converted for
-        # and its fixed sizes, and no symbolic size is bounded or shared; anything else takes the
-        # full check below, which also words the error.
-        fast = self.__dict__.get("_fast")
-        if fast is None:
-            fast = self.__dict__["_fast"] = self._fast_specs()
-        if fast is not False and len(inputs) == len(fast):
-            for spec, value in zip(fast, inputs):
-                if spec is None:
-                    continue
-                if not isinstance(value, torch.Tensor):
-                    break
-                dtype, device_type, rank, fixed, free = spec
-                if value.dtype != dtype or value.device.type != device_type or value.dim() != rank:
-                    break
-                shape = value.shape
-                if any(shape[i] != d for i, d in fixed) or any(shape[i] < lo for i, lo in free):
-                    break
-            else:
-                return None
-        bound: dict[str, int] = {}
-        for name, spec, value in zip(self.names, self.specs, inputs):
-            if spec is None:
-                continue
-            dtype, device_type, dims = spec
-            if not isinstance(value, torch.Tensor):
-                raise InputMismatchError(f"input {name!r}: expected a tensor, got {type(value).__name__}")
-            if value.dtype != dtype or value.device.type != device_type or value.dim() != len(dims):
-                raise InputMismatchError(
-                    f"input {name!r} is {value.dtype} on {value.device.type} with {value.dim()} dims, but the "
-                    f"graph was converted for {dtype} on {device_type} with {len(dims)} dims; the casts depend "
-                    "on it. Way out: call graphamp.convert again with an example input like this one."
-                )
-            for i, (dim, size) in enumerate(zip(dims, value.shape)):
-                if isinstance(dim, int):
-                    if size != dim:
-                        raise InputShapeError(
-                            f"input {name!r} dim {i} is {size}, but the converted graph fixed it to {dim} "
-                            "(torch.export specialized it while tracing the model's code)."
-                        )
-                elif dim in self.ranges:
-                    lo, hi = self.ranges[dim]
-                    if bound.setdefault(dim, size) != size:
-                        raise InputShapeError(
-                            f"input {name!r} dim {i} is {size}, but another input gave {bound[dim]} for the "
-                            f"same size {dim}."
-                        )
-                    if size < lo or (hi is not None and size > hi):
-                        why = getattr(self, "reasons", {}).get(dim)
-                        raise InputShapeError(
-                            f"input {name!r} dim {i} is {size}, outside the range [{lo}, {hi or 'inf'}] the "
-                            "model's code allows for it"
-                            + (f" (the graph was traced where the model's code tested {why})" if why else "")
-                            + "."
-                        )
-        for i, (source, sizes, where) in enumerate(self.__dict__.get("conditions", ())):
-            if not all(size in bound for size in sizes):
-                continue
-            values = [bound[size] for size in sizes]
-            if not self._condition_holds(i, source, sizes, values):
-                _refuse_sizes(sizes, values, where)
-
-
-@torch.compiler.disable
-def _refuse_sizes(sizes: tuple[str, ...], values: list[int], where: str) -> None:
-    # Raised outside dynamo's trace (disable: a graph break, then this runs eagerly), so the error
-    # leaves the compiled code as it is: dynamo cannot trace the raise, and falling back to eager
-    # for the whole frame would run the converted module's reconversion inside the compiled call.
-    given = ", ".join(f"{size}={value}" for size, value in zip(sizes, values))
-    raise InputShapeError(
-        f"these inputs' sizes ({given}) fail the condition the model's code tested where the graph "
-        f"was traced ({where}): eager would take another branch."
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def _condition(source: str, sizes: tuple[str, ...]) -> Callable[..., bool]:
-    """A size condition's source (torch's PythonPrinter over the size symbols) as a function."""
-    return eval(f"lambda {', '.join(sizes)}: bool({source})", {"__builtins__": {}, "bool": bool, "math": math, "min": min, "max": max, "abs": abs})
-
-
-def size_condition_holds(source: str, sizes: tuple[str, ...], values: Sequence[int]) -> bool:
-    """Whether the model's size condition ``source`` holds for these sizes; False where it cannot
-    be evaluated (then the input gets a conversion of its own, which is never wrong).
-
-    >>> assert size_condition_holds("s0 != 1", ("s0",), [2]) and not size_condition_holds("s0 != 1", ("s0",), [1])
-    """
-    try:
-        return _condition(source, sizes)(*values)
-    except Exception:
-        return False
-
-
-def _fast_spec_of(spec: tuple | None, ranges: dict, counts: dict) -> tuple | None | bool:
-    """(dtype, device, rank, ((dim, size) fixed), ((dim, lower bound) free)) for the guard's fast path;
-    False for a size it cannot check alone (an upper bound, or a size shared with another dim)."""
-    if spec is None:
-        return None
-    dtype, device_type, dims = spec
-    fixed, free = [], []
-    for i, d in enumerate(dims):
-        if isinstance(d, int):
-            fixed.append((i, d))
-        elif d in ranges and ranges[d][1] is None and counts[d] == 1:
-            free.append((i, ranges[d][0]))
-        else:
-            return False
-    return (dtype, device_type, len(dims), tuple(fixed), tuple(free))
-
-
 class FrozenDict(dict):
     """A dict that refuses mutation (unlike MappingProxyType it pickles, so AmpModules save).
 
@@ -454,330 +305,6 @@ class FrozenDict(dict):
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(sorted(self.items(), key=repr)))
-
-
-# The devices whose autocast state a kept Function sees: graphamp's policies.
-_DEVICE_TYPES = ("cpu", "cuda")
-
-
-class AutocastState(NamedTuple):
-    """Autocast's switches for one device, as ``torch.autocast`` sets them."""
-
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
-
-
-def current_autocast_state(device_types: Sequence[str] = _DEVICE_TYPES) -> tuple[tuple[AutocastState, ...], bool]:
-    """The autocast state now: each device's switches, and whether the cast cache is on."""
-    states = tuple(
-        AutocastState(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
-    )
-    return states, torch.is_autocast_cache_enabled()
-
-
-@contextlib.contextmanager
-def autocast_state(states: Sequence[AutocastState], cache_enabled: bool = True) -> Iterator[None]:
-    """Set autocast's switches as ``torch.autocast`` regions would, and restore them after.
-
-    The switches are set directly rather than through ``torch.autocast``, which disables itself
-    for a device type the build cannot run (CUDA on a CPU-only build, where graphamp still runs
-    the CUDA policy over fake tensors).
-    """
-    previous = [(s.device_type, torch.is_autocast_enabled(s.device_type), torch.get_autocast_dtype(s.device_type)) for s in states]
-    previous_cache = torch.is_autocast_cache_enabled()
-    for s in states:
-        torch.set_autocast_enabled(s.device_type, s.enabled)
-        torch.set_autocast_dtype(s.device_type, s.dtype)
-    torch.set_autocast_cache_enabled(cache_enabled)
-    torch.autocast_increment_nesting()
-    try:
-        yield
-    finally:
-        # As torch.autocast.__exit__: the cast cache lives as long as the outermost region.
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
-        for device_type, enabled, dtype in previous:
-            torch.set_autocast_enabled(device_type, enabled)
-            torch.set_autocast_dtype(device_type, dtype)
-        torch.set_autocast_cache_enabled(previous_cache)
-
-
-class Slot(NamedTuple):
-    """Stands for the ``index``-th value a kept call takes from the graph (a tensor or a SymInt)."""
-
-    index: int
-
-
-def fill(template: Any, values: Sequence[Any]) -> Any:
-    """``template`` with every :class:`Slot` replaced by its value: the inverse of a split."""
-    if isinstance(template, Slot):
-        return values[template.index]
-    if isinstance(template, PartialTemplate):
-        return template.rebuild(values)
-    if isinstance(template, tuple):
-        filled = [fill(t, values) for t in template]
-        return type(template)(*filled) if hasattr(template, "_fields") else type(template)(filled)
-    if isinstance(template, list):
-        return [fill(t, values) for t in template]
-    if isinstance(template, dict):
-        return type(template)((k, fill(v, values)) for k, v in template.items())
-    return template
-
-
-class PartialTemplate(NamedTuple):
-    """A ``functools.partial`` whose bound arguments hold graph values (Hugging Face's checkpointed
-    layers pass ``partial(forward, layer, **kwargs)``)."""
-
-    cls: type
-    func: Any
-    args: Any
-    keywords: Any
-
-    def rebuild(self, values: Sequence[Any]) -> Any:
-        return self.cls(fill(self.func, values), *fill(self.args, values), **fill(self.keywords, values))
-
-
-def qualified_name(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
-
-
-def _importable(cls: type) -> bool:
-    """Whether pickle can find ``cls`` again by its module and qualified name."""
-    try:
-        obj: Any = importlib.import_module(cls.__module__)
-        for part in cls.__qualname__.split("."):
-            obj = getattr(obj, part)
-    except Exception:
-        return False
-    return obj is cls
-
-
-class KeptFunction(nn.Module):
-    """One call of a custom ``torch.autograd.Function``, kept whole in a converted graph.
-
-    ``function`` is the Function class; ``template`` its ``(args, kwargs)`` with a :class:`Slot`
-    for each value the graph passes in; ``autocast`` the state eager autocast had at the call.
-    Pickling refers to ``function`` by its qualified name, so a Function defined inside another
-    function cannot be saved (``copy.deepcopy`` works).
-    """
-
-    def __init__(
-        self,
-        function: type[torch.autograd.Function],
-        template: tuple[tuple, dict],
-        autocast: tuple[AutocastState, ...],
-        cache_enabled: bool = True,
-    ) -> None:
-        super().__init__()
-        self.function = function
-        self.template = template
-        self.autocast = tuple(autocast)
-        self.cache_enabled = cache_enabled
-
-    def forward(self, *values: Any) -> Any:
-        return apply_function(self, *values)
-
-    def extra_repr(self) -> str:
-        on = [f"{s.device_type}: {s.dtype}" for s in self.autocast if s.enabled]
-        return f"{qualified_name(self.function)}, autocast {{{', '.join(on)}}}"
-
-    def __getstate__(self) -> dict:
-        if not _importable(self.function):
-            raise pickle.PicklingError(
-                f"cannot save this converted module: it keeps the custom autograd.Function "
-                f"{qualified_name(self.function)}, which pickle cannot find again by name (it is defined "
-                "inside a function, or renamed). Way out: define the Function at module level, or "
-                "save the original model's state_dict and convert again after loading."
-            )
-        return self.__dict__.copy()
-
-    def __deepcopy__(self, memo: dict) -> KeptFunction:
-        # Copies by value, not through pickle's by-name lookup: a local Function class copies too.
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return new
-
-
-def apply_function(kept: KeptFunction, *values: Any) -> Any:
-    """Call ``kept.function.apply`` on the graph's ``values`` under eager's autocast state there.
-
-    >>> class Double(torch.autograd.Function):
-    ...     @staticmethod
-    ...     def forward(ctx, x, k):
-    ...         ctx.k = k
-    ...         return x @ x * k           # a matmul: autocast runs it in bf16
-    ...     @staticmethod
-    ...     def backward(ctx, g):
-    ...         return g * 0 + 7, None    # the Function's own gradient
-    >>> on = (AutocastState("cpu", True, torch.bfloat16),)
-    >>> kept = KeptFunction(Double, ((Slot(0), 2.0), {}), on)
-    >>> x = torch.randn(3, 3, requires_grad=True)
-    >>> y = apply_function(kept, x)
-    >>> y.sum().backward()
-    >>> assert y.dtype is torch.bfloat16 and bool((x.grad == 7).all())
-    >>> assert not torch.is_autocast_enabled("cpu")
-    """
-    args, kwargs = fill(kept.template, values)
-    with autocast_state(kept.autocast, kept.cache_enabled):
-        return kept.function.apply(*args, **kwargs)
-
-
-class KeptGraphFunction(nn.Module):
-    """A custom ``autograd.Function`` as dynamo captured it (``autograd_function_apply``: a forward
-    and a backward graph), kept whole by ``torch.compile(backend="graphamp")``."""
-
-    def __init__(self, fwd: nn.Module, bwd: nn.Module, kwargs: dict[str, Any], autocast: tuple[AutocastState, ...], cache_enabled: bool = True) -> None:
-        super().__init__()
-        self.fwd = fwd
-        self.bwd = bwd
-        self.hop_kwargs = dict(kwargs)
-        self.autocast = tuple(autocast)
-        self.cache_enabled = cache_enabled
-
-    def forward(self, *operands: Any) -> Any:
-        return apply_graph_function(self, *operands)
-
-
-def apply_graph_function(kept: KeptGraphFunction, *operands: Any) -> Any:
-    """Run dynamo's ``autograd_function_apply`` under eager's autocast state at the call: tracing
-    it (AOTAutograd) records the forward's casts explicitly and the Function's own backward."""
-    with autocast_state(kept.autocast, kept.cache_enabled):
-        return torch.ops.higher_order.autograd_function_apply(kept.fwd, kept.bwd, *operands, **kept.hop_kwargs)
-
-
-# The functions generated code calls besides torch's ops: a re-trace must record every call.
-def autocast_op(op: Any, device_type: str, dtype: torch.dtype, *args: Any) -> Any:
-    """``op(*args)`` with ``device_type`` autocast on in ``dtype``: a fused kernel eager runs whole
-    (``_transformer_encoder_layer_fwd``), whose inner kernels autocast casts one by one.
-
-    >>> x, w = torch.randn(2, 4), torch.randn(4, 4)
-    >>> assert autocast_op(torch.ops.aten.mm.default, "cpu", torch.bfloat16, x, w).dtype is torch.bfloat16
-    """
-    with autocast_state([AutocastState(device_type, True, dtype)]):
-        return op(*args)
-
-
-# What a graph captured by following the example's values (graphamp.capture.values) checks as it
-# runs: each tensor value the model's Python read, by how it read it.
-_READS: dict[str, Callable[..., Any]] = {
-    "item": lambda t: t.item(),
-    "bool": lambda t: bool(t),
-    "int": lambda t: int(t),
-    "float": lambda t: float(t),
-    "index": lambda t: operator.index(t),
-    "complex": lambda t: complex(t),
-    "is_nonzero": lambda t: torch.is_nonzero(t),
-    "tolist": lambda t: t.detach().cpu().tolist(),
-    "numpy": lambda t: t.detach().cpu().tolist(),
-    "equal": lambda a, b: torch.equal(a, b),
-    "contains": lambda t, value: value in t,
-    "allclose": lambda a, b, *rest: torch.allclose(a, b, *rest),
-    "op": lambda op, *args: op(*args),  # an ATen op's own read (``aten.item`` inside a composite op)
-}
-
-
-def _same_value(got: Any, expected: Any) -> bool:
-    """Equal as the model's branch sees it: NaN equals NaN, and lists compare element by element."""
-    if isinstance(expected, (list, tuple)):
-        return isinstance(got, (list, tuple)) and len(got) == len(expected) and all(map(_same_value, got, expected))
-    if isinstance(expected, float) and expected != expected:
-        return isinstance(got, float) and got != got
-    return type(got) is type(expected) and got == expected
-
-
-# Reads whose value is the tensor's own (one element), which an ATen comparison can check.
-_SCALAR_READS = ("bool", "is_nonzero", "item", "int", "float", "index")
-
-
-def assert_condition(read: str, value: torch.Tensor, expected: Any) -> tuple[Callable[..., Any], Any] | None:
-    """``(op, scalar)`` such that ``op(value, scalar)`` is a bool tensor, true exactly where reading
-    ``value`` as ``read`` gives ``expected`` (``value`` may be fake); None where no ATen comparison
-    says it exactly. Shared by the compiled module's guards and graphamp.export's assertions.
-
-    >>> assert_condition("bool", torch.ones(()), True)
-    (<OpOverload(op='aten.ne', overload='Scalar')>, 0)
-    >>> assert_condition("int", torch.ones(()), 1) is None  # int() truncates a float: 1.5 reads as 1 too
-    True
-    """
-    if read not in _SCALAR_READS or not isinstance(value, torch.Tensor) or value.numel() != 1:
-        return None
-    if read in ("bool", "is_nonzero"):
-        return ((torch.ops.aten.ne.Scalar if expected else torch.ops.aten.eq.Scalar), 0) if isinstance(expected, bool) else None
-    if type(expected) not in (int, float, bool) or expected != expected:  # NaN: no equality says it
-        return None
-    if read in ("int", "index") and value.is_floating_point():
-        return None
-    return torch.ops.aten.eq.Scalar, expected
-
-
-# The message prefix of a guard's assertion in compiled code (CompiledAmpModule maps it back to
-# InputValueError); on only while a CompiledAmpModule calls its compiled code, so that a user's own
-# torch.compile of a converted module keeps the typed error (at a graph break).
-COMPILED_REFUSAL = "graphamp refused the call: "
-
-
-class _CompiledGuards:
-    asserting = False
-
-
-def _refusal(read: str, expected: Any, where: str) -> str:
-    shown = repr(expected) if len(repr(expected)) < 60 else repr(expected)[:57] + "..."
-    return (
-        f"the model's code read a tensor value ({read}{f' at {where}' if where else ''}) that was {shown} on the "
-        "example this graph follows, and differs on these inputs: eager runs another program for them."
-    )
-
-
-def guard_value(read: str, values: Sequence[Any], expected: Any, where: str = "") -> None:
-    """Check that reading ``values`` as the model's code did (``read``: "bool", "item", "tolist",
-    ...) gives what it gave on the example the graph was captured for; else raise
-    :class:`graphamp.errors.InputValueError` (the module converts again for these inputs).
-
-    In a CompiledAmpModule's compiled code a read one comparison checks is an ATen assertion
-    instead of a Python ``bool`` (which would break dynamo's graph there).
-
-    >>> guard_value("bool", [torch.ones(3).all()], True)
-    >>> guard_value("item", [torch.tensor(2)], 3)
-    Traceback (most recent call last):
-    graphamp.errors.InputValueError: ...
-    """
-    if _CompiledGuards.asserting and torch.compiler.is_compiling() and len(values) == 1:
-        condition = assert_condition(read, values[0], expected)
-        if condition is not None:
-            op, scalar = condition
-            torch.ops.aten._assert_async.msg(op(values[0], scalar), COMPILED_REFUSAL + _refusal(read, expected, where))
-            return
-    got = _READS[read](*values)
-    if not _same_value(got, expected):
-        raise InputValueError(_refusal(read, expected, where))
-
-
-@contextlib.contextmanager
-def compiled_guards() -> Iterator[None]:
-    """Guards as ATen assertions while tracing and running a CompiledAmpModule's code; a failed one
-    is raised as :class:`InputValueError`."""
-    previous, _CompiledGuards.asserting = _CompiledGuards.asserting, True
-    try:
-        yield
-    except RuntimeError as e:
-        if COMPILED_REFUSAL in str(e):
-            raise InputValueError(str(e).split(COMPILED_REFUSAL, 1)[1].splitlines()[0]) from e
-        raise
-    finally:
-        _CompiledGuards.asserting = previous
-
-
-def guard_size(value: torch.Tensor, size: Sequence[int], where: str = "") -> torch.Tensor:
-    """``value``, checked to have the size it had on the example (an op whose output size depends
-    on values: ``nonzero``, ``masked_select``, ``unique``): the graph holds the sizes that follow."""
-    if tuple(value.shape) != tuple(size):
-        raise InputValueError(
-            f"an op{f' at {where}' if where else ''} whose output size depends on tensor values gave {tuple(value.shape)} "
-            f"where the example gave {tuple(size)}, and the graph holds the sizes that follow from it."
-        )
-    return value
 
 
 # AmpModule.meta key: (buffer paths, random draws?) a graph changes before a guard that may refuse
@@ -838,9 +365,7 @@ def _random_state() -> Callable[[], None]:
     return restore
 
 
-torch.fx.node.has_side_effect(guard_value)
-torch.fx.node.has_side_effect(guard_size)
-
+# The functions generated code calls besides torch's ops: a re-trace must record every call.
 _RUNTIME_CALLS = (set_grad_enabled, cached_cast, autocast_cached, apply_function, autocast_op, guard_value, guard_size)
 
 
@@ -876,57 +401,19 @@ class AmpTracer(torch.fx.Tracer):
         return record
 
 
-# Where a converted module keeps the model it converts again from for other shape classes.
-_MODEL = "_graphamp_model"
-
-# Where a saved module keeps graphamp's node meta (casts, categories), which a re-trace loses.
-_NODE_META = "_graphamp_node_meta"
-
-
-def _node_key(node: torch.fx.Node) -> str:
-    """A call node's op and target, the same in every process: the code of a re-traced module
-    matches the saved graph's node for node exactly when these keys do."""
-    t = node.target
-    if isinstance(t, (types.FunctionType, types.BuiltinFunctionType)):
-        return f"{node.op} {t.__module__}.{t.__qualname__}"
-    return f"{node.op} {t}"
-
-
-def _node_meta_record(graph: torch.fx.Graph, info_of: Any) -> dict[str, Any]:
-    """What :func:`rebuild_amp_module` restores, for ``AmpModule.__reduce__``: ``info_of(node)``
-    for every call node, in order, and for every ``get_attr`` node by its target. Private: the
-    saved format is the record's shape, not this function."""
-    calls = [n for n in graph.nodes if n.op in ("call_function", "call_module")]
-    attrs = {n.target: info_of(n) for n in graph.find_nodes(op="get_attr")}
-    return {"calls": [(_node_key(n), info_of(n)) for n in calls], "attrs": {k: v for k, v in attrs.items() if v}}
-
-
-def _restore_node_meta(graph: torch.fx.Graph, record: dict[str, Any], as_info: Any) -> None:
-    calls = [n for n in graph.nodes if n.op in ("call_function", "call_module")]
-    # Only where the re-trace gave the saved graph's nodes back one for one; otherwise the module
-    # runs the same and only its report (cast_summary) is empty.
-    if [key for key, _ in record["calls"]] == [_node_key(n) for n in calls]:
-        for node, (_, info) in zip(calls, record["calls"]):
-            if info:
-                node.meta["graphamp"] = as_info(info)
-    for node in graph.find_nodes(op="get_attr"):
-        if node.target in record["attrs"]:
-            node.meta["graphamp"] = as_info(record["attrs"][node.target])
-
-
 def rebuild_amp_module(body: dict[str, Any], import_block: str) -> nn.Module:
     """A saved ``graphamp.AmpModule`` again, from what its ``__reduce__`` wrote: FX's module
     state and the code's imports. The code is re-traced with :class:`AmpTracer`."""
     import graphamp  # loaded already: unpickling this function imported the package
 
-    record = body.pop(_NODE_META, None)
+    record = body.pop(runtime_saved.NODE_META, None)
     # The model it was converted from (saved since it converts again for other shapes) stays out of
     # the module's submodules, as before saving.
-    model = body.pop(_MODEL, None)
+    model = body.pop(runtime_saved.MODEL, None)
     forward = _forward_from_src(import_block + (body.get("_code") or body["code"]), {})
     amp = _deserialize_graph_module(forward, body, graph_module_cls=graphamp.AmpModule)
     if model is not None:
         amp._graphamp_bind(model)
     if record is not None:
-        _restore_node_meta(amp.graph, record, graphamp.AmpModule.node_info_from_saved)
+        runtime_saved.restore_node_meta(amp.graph, record, graphamp.AmpModule.node_info_from_saved)
     return amp
