@@ -5,6 +5,7 @@ Losses, parameters, evaluation losses, tokens and logits torch.equal."""
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import warnings
 
@@ -16,6 +17,7 @@ pytest.importorskip("accelerate")
 
 import factories
 
+from graphamp.emit import AmpModule
 from graphamp.errors import CaptureError, EagerPathWarning, OptionError
 from graphamp.integrations import transformers as hf
 from graphamp.integrations.accelerate import GraphampDynamoPlugin
@@ -99,20 +101,23 @@ def assert_same_parameters(ours: torch.nn.Module, want: torch.nn.Module) -> None
         assert torch.equal(p, q), name
 
 
-def test_trainer_with_prepared_model_is_bitwise_to_trainer_bf16(reference, tmp_path):
+def test_trainer_with_prepared_model_is_bitwise_to_trainer_bf16(reference, tmp_path, caplog):
     initial, want, want_losses, want_eval = reference
     model = copy.deepcopy(initial)
     view = hf.prepare(model)
-    trainer, losses, eval_loss = train_and_evaluate(view, tmp_path)
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        trainer, losses, eval_loss = train_and_evaluate(view, tmp_path)
     assert losses == want_losses
     assert eval_loss == want_eval
     assert_same_parameters(model, want)
-    # Trainer saw the model: its columns, its loss kwargs, and one graph per mode.
+    # Trainer saw the model: its columns, its loss kwargs, and one converted module, which converted
+    # itself again for evaluate()'s eval mode.
     assert {"input_ids", "attention_mask"} <= set(trainer._signature_columns) and "source" not in trainer._signature_columns
     assert trainer.model_accepts_loss_kwargs
-    graphs = view.__dict__["_graphamp_view"].graphs
-    assert sorted(key[0] for key in graphs) == [False, True]  # (training mode, inputs, region)
-    assert all(type(amp).__name__.endswith("Amp") for amp in graphs.values())
+    converted = view.__dict__["_graphamp_view"].converted
+    assert list(converted) == [(torch.bfloat16, True)]  # the region's (dtype, cache_enabled)
+    assert all(isinstance(amp, AmpModule) and not amp.training for amp in converted.values())
+    assert "again for eval mode" in caplog.text
     # save_model writes what save_pretrained does, and the weights load back into the model's class.
     trainer.save_model(str(tmp_path / "saved"))
     assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "saved"))
@@ -296,7 +301,7 @@ def test_generate_with_kv_cache_on_converted_graphs_names_the_cache_and_the_way_
     ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
     with pytest.raises(CaptureError, match=r"key/value cache.*Way out: generate with graphamp.integrations.transformers.compile\(model\)"):
         view.generate(ids, **generate_kwargs())
-    assert not view.__dict__["_graphamp_view"].graphs  # refused before converting anything
+    assert not view.__dict__["_graphamp_view"].converted  # refused before converting anything
 
 
 def test_prepared_view_follows_the_autocast_region_or_its_dtype_and_refuses_nesting():
@@ -314,7 +319,7 @@ def test_prepared_view_follows_the_autocast_region_or_its_dtype_and_refuses_nest
         with torch.autocast("cpu", dtype=torch.bfloat16, **region):
             got = view(input_ids=ids).logits
         assert torch.equal(got, eager(**region))
-    assert len(view.__dict__["_graphamp_view"].graphs) == 2
+    assert len(view.__dict__["_graphamp_view"].converted) == 2  # one converted module per region setting
     pinned = hf.prepare(model, dtype=torch.bfloat16)  # a dtype: that precision, in or out of a region
     assert torch.equal(pinned(input_ids=ids).logits, eager())
     with torch.autocast("cpu", dtype=torch.float16), pytest.raises(OptionError, match=r"prepare\(model, dtype=torch.float16\)"):

@@ -12,9 +12,10 @@ The submodules are the model's, so ``view.train()``/``view.eval()`` set their mo
 ``model.train()``/``model.eval()`` would (the model's own top-level flag stays its own), and training
 the view trains the model.
 
-- :func:`prepare`: ``forward`` runs graphs converted by :func:`graphamp.convert`, one per training
-  mode, input structure and autocast setting, converted on first use from that call's inputs (a
-  training graph at the first step, an eval graph at the first ``evaluate()``). Pass it to
+- :func:`prepare`: ``forward`` runs the :class:`~graphamp.AmpModule` :func:`graphamp.convert` makes
+  from the first call's inputs (one per autocast setting), which converts itself again for the
+  other training mode (an eval graph at the first ``evaluate()``) and for another input structure
+  or shape class. Pass it to
   ``Trainer`` with ``bf16=True`` (or ``fp16=True`` on a GPU): Trainer's run is the model under
   accelerate's ``torch.autocast``; the converted graphs follow that region, switch it off and apply
   the same casts, so losses, gradients, parameters and ``evaluate()`` are bitwise those of
@@ -49,10 +50,10 @@ import graphamp
 from graphamp.backend.options import BackendOptions
 from graphamp.config import Config
 from graphamp.eager import rng_kept
-from graphamp.errors import CaptureError, InputMismatchError, OptionError
+from graphamp.errors import CaptureError, OptionError
 from graphamp.policy import resolve_dtype
 from graphamp.spec import autocast_off
-from graphamp.emit import AmpModule, input_signature
+from graphamp.emit import MAX_SHAPE_CLASSES, AmpModule
 
 try:
     import transformers
@@ -61,9 +62,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the option
 
 __all__ = ["MAX_CONVERSIONS", "compile", "prepare", "source_of"]
 
-# How many graphs (training mode x input structure) one prepared view converts before it refuses:
-# Trainer calls with one structure per mode, so more means inputs that change structure per call.
-MAX_CONVERSIONS = 8
+# How many graphs one prepared view converts, per training mode and autocast setting, for other
+# input structures and shape classes before it refuses (the AmpModule's own limit): Trainer calls
+# with one structure per mode, so more means inputs that change structure per call.
+MAX_CONVERSIONS = MAX_SHAPE_CLASSES
 _CACHE_ARGUMENTS = ("cache", "past_key_values")
 _VIEW = "_graphamp_view"  # the view's state, in its __dict__
 # Module dicts a view gets its own copy of: its own hooks and top-level attributes, the model's children.
@@ -85,9 +87,10 @@ def prepare(
 ) -> nn.Module:
     """The model, as a view whose ``forward`` runs graphs converted by :func:`graphamp.convert`.
 
-    Each (training mode, input structure, autocast setting) gets its graph on first use, converted
-    from that call's inputs with the model in that mode (a new shape class converts within the
-    graph's module, as :class:`graphamp.AmpModule` does).
+    The first call converts the model, in the view's training mode, from that call's inputs; the
+    :class:`graphamp.AmpModule` it makes converts itself again on first use for the other training
+    mode and for another input structure or shape class. Each autocast setting followed (below)
+    has an AmpModule of its own.
 
     ``dtype`` None follows the enclosing ``torch.autocast`` region of each call, its dtype and its
     ``cache_enabled``: that is Trainer's ``bf16=True`` (accelerate runs forward in the region), and
@@ -269,11 +272,15 @@ def _cache_error(model: nn.Module) -> CaptureError:
 
 
 class _Converted:
-    """A prepared view's state: the converted graphs by (training mode, input structure)."""
+    """A prepared view's state: the model converted by :func:`graphamp.convert` at the first call,
+    one :class:`~graphamp.AmpModule` per autocast setting followed (one in all with a dtype given),
+    which converts itself again for another training mode, input structure or shape class."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None, device_type: str | None, config: Config | None, self_check: str | bool) -> None:
         self.model, self.dtype, self.device_type, self.config, self.self_check = model, dtype, device_type, config, self_check
-        self.graphs: dict[Any, nn.Module] = {}
+        # By enclosing region's (dtype, cache_enabled) with no dtype given; under None with one.
+        # An AmpModule converts again only for the dtype and config it was converted with.
+        self.converted: dict[tuple[torch.dtype, bool] | None, AmpModule] = {}
         # Held while converting, which runs the new graph (its self-check): re-entrant, so that a
         # call reaching this view again on the same thread recurses instead of waiting on itself.
         self.lock = threading.RLock()
@@ -285,23 +292,18 @@ class _Converted:
             raise _cache_error(self.model)
         if self.dtype is None and ambient is None:
             raise _no_region_error(self.model, "prepare")
-        # With no dtype given, each enclosing region's setting has a graph of its own.
-        key = (view.training, input_signature(args, kwargs), ambient if self.dtype is None else None)
-        amp = self.graphs.get(key)
+        key = ambient if self.dtype is None else None
+        amp = self.converted.get(key)
         if amp is None:
             with self.lock:
-                amp = self.graphs.get(key) or self._convert(view.training, args, kwargs, device_type, ambient)
-                self.graphs[key] = amp
+                amp = self.converted.get(key) or self._convert(view.training, args, kwargs, device_type, ambient)
+                self.converted[key] = amp
         self._check_ambient(amp, ambient)
+        if amp.training != view.training:
+            amp.train(view.training)
         return amp(*args, **kwargs)
 
-    def _convert(self, training: bool, args: tuple, kwargs: dict, device_type: str, ambient: tuple[torch.dtype, bool] | None) -> nn.Module:
-        if len(self.graphs) >= MAX_CONVERSIONS:
-            raise InputMismatchError(
-                f"this prepared {type(self.model).__name__} has converted {MAX_CONVERSIONS} graphs (one per training mode, "
-                "input structure (keyword names, nesting, non-tensor values) and autocast setting), the most it "
-                "holds; this call would need one more. Way out: call it with the same keywords and flags each time."
-            )
+    def _convert(self, training: bool, args: tuple, kwargs: dict, device_type: str, ambient: tuple[torch.dtype, bool] | None) -> AmpModule:
         dtype, config = self.dtype, self.config or Config()
         if ambient is not None:
             dtype = dtype or ambient[0]
