@@ -6,7 +6,7 @@ hidden and attention dropout 0.1, as models train; the built-in bench models set
 
 from __future__ import annotations
 
-from graphamp.bench import _sized
+from graphamp.bench.variants import sized as _sized
 from graphamp.testing import zoo
 
 

@@ -7,9 +7,9 @@ the low dtype and in fp32), so each row shows how far the variant is from that l
         [--variants ...] [--rounds 3] [--calls 2] [--n 2048] [--threads N] [--json PATH]
 
 Per (model, task): the matmul FLOPs of one step, counted on the eager fp32 step
-(``graphamp.bench_limits.matmul_flops``); the bounds. Per variant: the median ms of one step
+(``graphamp.bench.limits.matmul_flops``); the bounds. Per variant: the median ms of one step
 (``torch.utils.benchmark.Timer``, ``--rounds`` rounds, interleaved), and the split of a profiled step
-(``graphamp.bench_limits.time_split``, ``--calls`` calls; its total includes the profiler's overhead,
+(``graphamp.bench.limits.time_split``, ``--calls`` calls; its total includes the profiler's overhead,
 so it is a little above the median) with the events that took the most time and their class.
 """
 
@@ -30,7 +30,7 @@ from torch.utils import benchmark
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from graphamp import bench, hardware  # noqa: E402
-from graphamp.bench_limits import gemm_rate, limits_line, matmul_bound_ms, matmul_dtype, matmul_flops, time_split  # noqa: E402
+from graphamp.bench.limits import gemm_rate, limits_line, matmul_bound_ms, matmul_dtype, matmul_flops, time_split  # noqa: E402
 from graphamp.spec import DTYPE_ALIASES  # noqa: E402
 
 _GEMM = "gemm"  # the fp32 matmul timed alongside the variants
@@ -90,7 +90,7 @@ def run(models: list[str], tasks: list[str], dtype: str, variants: list[str] | N
         for model in models:
             case = bench.build_case(model)
             start = time.perf_counter()
-            flops = matmul_flops(bench._prepare("fp32", case, task, low).step)
+            flops = matmul_flops(bench.variants.prepare("fp32", case, task, low).step)
             _log(f"[{model} {task}] {flops / 1e9:.3g} GFLOP of matmuls per step ({time.perf_counter() - start:.0f} s)")
             steps: dict[str, Any] = {}
             rows: dict[str, dict[str, Any]] = {}
@@ -98,7 +98,7 @@ def run(models: list[str], tasks: list[str], dtype: str, variants: list[str] | N
                 start = time.perf_counter()
                 row: dict[str, Any] = {"model": model, "task": task, "dtype": dtype, "variant": v}
                 try:
-                    prepared = bench._prepare(v, case, task, low)
+                    prepared = bench.variants.prepare(v, case, task, low)
                     for _ in range(2):
                         prepared.step()  # compiles, warms up
                     steps[v] = prepared.step

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from graphamp import bench
+from graphamp.bench import progress as bench_progress, variants as bench_variants
 from graphamp.autotune import compiled as autotune_compiled
 from graphamp.bench import Row
 from graphamp.cli import main
@@ -40,7 +41,7 @@ def test_the_recommendation_names_the_fastest_at_autocasts_accuracy():
 
 
 def test_the_estimate_uses_this_runs_measurements():
-    eta = bench._Estimate([("m", "fp32", ("eager", 1.0)), ("m", "graphamp_compiled", ("compile", 1.0)),
+    eta = bench_progress.Estimate([("m", "fp32", ("eager", 1.0)), ("m", "graphamp_compiled", ("compile", 1.0)),
                            ("m", "compile_fp32", ("compile", 2.0))], rounds=3)
     prior = 5.0 + 40.0 + 2 * 40.0 + 3 * 3 * 1.0
     assert eta.left_s() == pytest.approx(prior)
@@ -65,7 +66,7 @@ def test_a_compiled_alternative_gets_the_cpp_wrapper_where_it_wins(monkeypatch, 
 
     fake = {"plan": [2.0] * 3, "C++ wrapper": [1.0 if faster else 2.0] * 3}
     monkeypatch.setattr(autotune_compiled, "time_programs", lambda steps: fake)
-    call, note = bench._faster_with_cpp_wrapper(compiled_call({}), compiled_call, lambda call, params: call)
+    call, note = bench_variants.faster_with_cpp_wrapper(compiled_call({}), compiled_call, lambda call, params: call)
     assert built == [{}, {"cpp_wrapper": True}]
     assert (call() == {"cpp_wrapper": True}) is faster
     assert note.startswith("inductor's C++ wrapper kept" if faster else "inductor's C++ wrapper tried, not kept")

@@ -1,4 +1,4 @@
-"""graphamp.bench_limits: the GEMM rate, matmul FLOPs, and the matmul/other split of a step's time
+"""graphamp.bench.limits: the GEMM rate, matmul FLOPs, and the matmul/other split of a step's time
 (no wall-clock ratio asserted)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphamp import bench_limits
-from graphamp.bench_limits import Split, gemm_rate, is_matmul_op, limits_line, matmul_bound_ms, matmul_flops, time_split
+from graphamp.bench import limits as bench_limits
+from graphamp.bench.limits import Split, gemm_rate, is_matmul_op, limits_line, matmul_bound_ms, matmul_flops, time_split
 
 
 def test_the_gemm_rate_is_positive_and_measured_once(monkeypatch):

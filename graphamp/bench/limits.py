@@ -78,7 +78,7 @@ MATMUL_OPS: frozenset[str] = frozenset({
 _MATMUL_PREFIXES = ("mkldnn::_linear", "mkldnn::_convolution", "onednn::qlinear", "onednn::qconv")
 
 # The marker around each profiled call: its length is the call's time.
-_CALL = "graphamp.bench_limits.call"
+_CALL = "graphamp.bench.limits.call"
 
 # (dtype, n, threads, layout) -> FLOP/s, measured once per process.
 _RATES: dict[tuple[torch.dtype, int, int, str], float] = {}
@@ -283,7 +283,7 @@ def time_split(step: Callable[[], Any], *, calls: int = 3) -> Split:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         # Not counted: the profiler's first recorded events, and the first record_function (which
         # looks its op up: about 20 ms), cost more than the rest.
-        with record_function("graphamp.bench_limits.warm-up"):
+        with record_function("graphamp.bench.limits.warm-up"):
             step()
         for _ in range(calls):
             with record_function(_CALL):

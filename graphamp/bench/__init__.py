@@ -1,0 +1,336 @@
+"""``graphamp bench``: graphamp against eager autocast and its alternatives, side by side in one process.
+
+Every variant runs the same model (its own copy) on the same inputs. Timings come from
+``torch.utils.benchmark.Timer`` in interleaved rounds (variant A, B, C, A, B, C, ...), so drifts of
+the machine hit all variants alike; a row reports the median over rounds, the p10-p90 spread, and
+ratios of medians to eager autocast, to the fastest pure low precision variant, to fp32 and to the
+fastest alternative measured (``vs best``: the fastest of ``ALTERNATIVES`` among the variants run:
+fp32, eager autocast, torch.compile + autocast and torch.compile in fp32, each compiled one with and
+without freezing, i.e. what a user gets without graphamp at autocast's accuracy or better). Pure low
+precision (``pure_low``, ``compile_pure_low``: the model and inputs in bf16/fp16) changes the
+numerics, so it is compared in its own column. Where graphamp's compiled variants try inductor's C++
+wrapper (``graphamp_autotune_compiled`` for inference), each compiled alternative is built with and
+without it too and keeps the faster, by the same rule.
+
+By default a run answers "what should I use on this machine?" with a few variants
+(:func:`default_variants`: fp32, eager autocast, the compiled alternative expected fastest on this
+CPU, graphamp exact and graphamp's path for this CPU) and ends with one line per model naming the
+fastest at autocast's accuracy or better (:func:`recommendation`); ``--all`` runs every variant.
+
+``--model`` takes built-in names or ``pkg.module:factory`` for your own model (the factory returns a
+``graphamp.testing.zoo.Case`` or ``(model, args[, kwargs])``, as ``graphamp verify`` takes it).
+
+Compiled graphamp variants: ``graphamp_compiled`` is ``graphamp.convert(..., compile=True)`` (for
+``--task infer`` with ``inference=True``, so inductor freezes the low-precision weights), trained
+with the same eager AdamW step as the other variants; ``graphamp_autotune_compiled`` is the same with
+``mode="autotune"`` (the ops measured slower in low precision on this machine raised to fp32, then
+compiled); ``trainstep_compiled`` is
+``graphamp.TrainStep(..., compile=True)``, whose optimizer step is compiled too;
+``trainstep_autotune`` and ``trainstep_autotune_compiled`` are the same with ``mode="autotune"``
+(each op's forward and backward timed, the slower-in-low-precision ops raised to fp32).
+
+Other columns:
+* casts/call: ``aten._to_copy`` ops one call executes after warm-up, counted by lowering the call with
+  ``make_fx`` (n/a for compiled variants, whose casts inductor fuses);
+* peak MiB: the peak of tensor memory allocated during one call and still alive (activations,
+  temporary weight copies), tracked per op output by a dispatch mode; parameters, inputs and
+  caches made before the call are not counted (n/a for compiled variants);
+* max err: the largest absolute difference of any output from eager autocast's, on the first call
+  with identical weights (0 means bitwise equal);
+* err vs fp32: the largest absolute difference of any output from fp32's, with eager autocast's own
+  error against fp32 beside it (autotune must not exceed it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import benchmark
+
+from graphamp import hardware
+from graphamp.testing import zoo
+from graphamp.verify.reference import count_casts, lowered_graph
+from graphamp.policy import DTYPE_ALIASES
+from graphamp.bench import limits as bench_limits
+from graphamp.bench.memory import peak_mib
+from graphamp.bench.progress import Estimate, setup_kind, show_progress
+from graphamp.bench.variants import (
+    ALTERNATIVES, BENCH_MODELS, COMPILED, CPP_WRAPPER_TRIED, DEFAULT_MODELS, DTYPES, INFER_ONLY, PURE_LOW, TASKS, TRAIN_ONLY, VARIANTS,
+    CallModule, Variant, max_err, prepare,
+)
+
+__all__ = [
+    "ALTERNATIVES", "BENCH_MODELS", "DEFAULT_MODELS", "DTYPES", "PURE_LOW", "TASKS", "VARIANTS", "Row", "build_case", "default_variants",
+    "recommendation", "run", "table", "to_json",
+]
+
+
+def default_variants(task: str, dtype: str) -> tuple[str, ...]:
+    """The few variants that answer "what should I use on this machine?": fp32, eager autocast, the
+    compiled alternative expected fastest on this CPU (torch.compile + autocast where it computes
+    ``dtype`` natively, torch.compile in fp32 where it emulates it; with freezing for inference),
+    graphamp exact, and graphamp's path for this CPU (compiled where ``dtype`` is native; autotune,
+    which raises to fp32 each op measured slower in ``dtype``, where it is emulated).
+
+    >>> from graphamp.hardware import assume_cpu_flags
+    >>> with assume_cpu_flags(["avx512_bf16"]):
+    ...     assert default_variants("infer", "bf16")[2:] == ("compile_autocast_freezing", "graphamp", "graphamp_compiled")
+    >>> with assume_cpu_flags([]):
+    ...     assert default_variants("train", "bf16")[2:] == ("compile_fp32", "graphamp", "graphamp_autotune")
+    """
+    native = hardware.capability("cpu").native(DTYPE_ALIASES[dtype])
+    alternative = ("compile_autocast" if native else "compile_fp32") + ("_freezing" if task == "infer" else "")
+    return ("fp32", "autocast", alternative, "graphamp", "graphamp_compiled" if native else "graphamp_autotune")
+
+
+def recommendation(rows: list[Row]) -> str:
+    """One line per model: the variant to use on this machine, at autocast's accuracy or better,
+    and why (pure low precision is left out: it changes the numerics)."""
+    lines = []
+    for model in dict.fromkeys(r.model for r in rows):
+        ok = [r for r in rows if r.model == model and r.status == "ok" and r.median_ms and r.variant not in PURE_LOW]
+        if not ok:
+            continue
+        best = min(ok, key=lambda r: r.median_ms)
+        theirs = [r for r in ok if r.variant in ALTERNATIVES]
+        ours = [r for r in ok if r.variant not in ALTERNATIVES]
+        fastest_alt = min(theirs, key=lambda r: r.median_ms) if theirs else None
+        fastest_ours = min(ours, key=lambda r: r.median_ms) if ours else None
+        head = f"{model} ({best.task}, {best.dtype}): use {best.variant} ({best.median_ms:.3g} ms)"
+        if best.variant in ALTERNATIVES and fastest_ours is not None:
+            lines.append(
+                f"{head}, the fastest here at autocast's accuracy or better; graphamp's fastest, {fastest_ours.variant}, "
+                f"takes {fastest_ours.median_ms / best.median_ms:.2f}x its time."
+            )
+        elif fastest_alt is not None:
+            lines.append(
+                f"{head}: {fastest_alt.median_ms / best.median_ms:.2f}x faster than the fastest alternative, "
+                f"{fastest_alt.variant} ({fastest_alt.median_ms:.3g} ms), at autocast's accuracy or better."
+            )
+        else:
+            lines.append(f"{head}, the fastest of the variants run.")
+    return "\n".join(lines)
+
+
+@dataclass
+class Row:
+    model: str
+    task: str
+    dtype: str
+    variant: str
+    status: str = "ok"  # ok | error: ...
+    median_ms: float | None = None
+    p10_ms: float | None = None
+    p90_ms: float | None = None
+    vs_autocast: float | None = None
+    vs_pure_low: float | None = None
+    vs_fp32: float | None = None
+    vs_best: float | None = None  # median / the fastest of ALTERNATIVES measured
+    best: str = ""  # which alternative that was
+    casts_per_call: int | None = None
+    peak_mib: float | None = None
+    max_err: float | None = None
+    err_vs_fp32: float | None = None
+    autocast_err_vs_fp32: float | None = None
+    note: str = ""
+    setup_s: float | None = None
+    samples: list[float] = field(default_factory=list, repr=False)
+    limits: str = ""  # where the time goes (``run(limits=True)``): on the fastest row of each model
+
+
+def run(
+    models: list[str] | tuple[str, ...] = DEFAULT_MODELS,
+    *,
+    task: str = "infer",
+    dtype: str = "bf16",
+    variants: list[str] | tuple[str, ...] | None = None,
+    rounds: int = 7,
+    target_s: float = 0.05,
+    limits: bool = False,
+) -> list[Row]:
+    """Benchmark ``variants`` on ``models``; returns one Row per (model, variant). ``limits``: also
+    where the time goes (:mod:`graphamp.bench.limits`): the matmul-only bound of a step on this
+    CPU and, for each model's fastest variant at autocast's accuracy or better, how far it is from
+    that bound and its share of time in matmul/conv kernels (costs a large GEMM timed per dtype,
+    about 20 s where the CPU emulates it, and a few profiled steps)."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    low = DTYPE_ALIASES[dtype]
+    wanted = default_variants(task, dtype) if variants is None else variants
+    chosen = [v for v in wanted if not (task != "train" and v in TRAIN_ONLY) and not (task != "infer" and v in INFER_ONLY)]
+    for v in chosen:
+        if v not in VARIANTS:
+            raise ValueError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    cpp_wrapper = task == "infer" and any(v in CPP_WRAPPER_TRIED for v in chosen)
+    with _every_variant_compiled():
+        return _run(models, task, dtype, low, chosen, rounds, target_s, limits, cpp_wrapper)
+
+
+@contextlib.contextmanager
+def _every_variant_compiled() -> Any:
+    """Dynamo settings for the bench's own process: every compiled variant compiles the same
+    ``forward``, and past dynamo's recompile limit (8 per code object) torch.compile silently runs
+    the model eagerly, so a later variant would time fp32 eager under its own name. The limit is
+    raised for as many variants as the bench has, and a variant that still hits it is an error."""
+    import torch._dynamo.config as dynamo_config
+
+    limit = max(dynamo_config.recompile_limit, 4 * len(COMPILED))
+    with dynamo_config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+        yield
+
+
+def _run(
+    models: list[str] | tuple[str, ...], task: str, dtype: str, low: torch.dtype, chosen: list[str], rounds: int,
+    target_s: float, limits: bool, cpp_wrapper: bool,
+) -> list[Row]:
+    """:func:`run` after its arguments are checked."""
+    eta = Estimate([(m, v, setup_kind(v, cpp_wrapper)) for m in models for v in chosen], rounds)
+    rows: list[Row] = []
+    for model_name in models:
+        case = build_case(model_name)
+        prepared: dict[str, Variant] = {}
+        model_rows = {v: Row(model_name, task, dtype, v) for v in chosen}
+        first_out: dict[str, Any] = {}
+        for v in chosen:
+            show_progress(f"[{model_name}] preparing {v} ... {eta.line()}")
+            start = time.perf_counter()
+            try:
+                prepared[v] = prepare(v, case, task, low, cpp_wrapper=cpp_wrapper and v.startswith("compile_"))
+                model_rows[v].note = prepared[v].note
+                # first calls: compile/convert warm-up, and the error against eager autocast
+                if prepared[v].forward is not None:
+                    with torch.no_grad():
+                        first_out[v] = prepared[v].forward()
+                for _ in range(2):
+                    prepared[v].step()
+            except Exception as e:  # a variant that cannot run is reported, not fatal
+                model_rows[v].status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            model_rows[v].setup_s = time.perf_counter() - start
+            eta.prepared(model_name, v, model_rows[v].setup_s)
+        live = [v for v in chosen if v in prepared and model_rows[v].status == "ok"]
+        for v in set(chosen) - set(live):
+            eta.failed(model_name, v)
+        timers = {v: benchmark.Timer(stmt="step()", globals={"step": prepared[v].step}, num_threads=torch.get_num_threads()) for v in live}
+        numbers = {}
+        for v in live:
+            per_call = max(timers[v].timeit(1).median, 1e-6)
+            numbers[v] = max(1, int(target_s / per_call))
+            eta.per_round(model_name, v, per_call * numbers[v])
+        for r in range(rounds):
+            for v in live:
+                show_progress(f"[{model_name}] round {r + 1}/{rounds} {v} {eta.line()}")
+                m = timers[v].timeit(numbers[v])
+                eta.timed(model_name, v)
+                model_rows[v].samples.append(m.median * 1e3)
+        for v in live:
+            row = model_rows[v]
+            # One round (--rounds 1) has no spread: its p10 and p90 are its median.
+            q = statistics.quantiles(row.samples, n=10, method="inclusive") if len(row.samples) > 1 else row.samples * 9
+            row.median_ms, row.p10_ms, row.p90_ms = statistics.median(row.samples), q[0], q[-1]
+            if "autocast" in first_out and v in first_out:
+                row.max_err = max_err(first_out[v], first_out["autocast"])
+            if "fp32" in first_out and v in first_out:
+                row.err_vs_fp32 = max_err(first_out[v], first_out["fp32"])
+                if "autocast" in first_out:
+                    row.autocast_err_vs_fp32 = max_err(first_out["autocast"], first_out["fp32"])
+            if prepared[v].lowerable is not None and task == "infer":
+                try:
+                    with torch.no_grad():
+                        row.casts_per_call = count_casts(lowered_graph(CallModule(prepared[v].lowerable), (), {}))
+                except Exception:
+                    row.casts_per_call = None
+            if v not in COMPILED and v not in TRAIN_ONLY:
+                row.peak_mib = peak_mib(prepared[v].step)
+        base = model_rows.get("autocast")
+        fp32 = model_rows.get("fp32")
+        measured = [(model_rows[v].median_ms, v) for v in ALTERNATIVES if v in live and model_rows[v].median_ms]
+        best, best_name = min(measured) if measured else (None, "")
+        pure = min((model_rows[v] for v in PURE_LOW if v in live and model_rows[v].median_ms), key=lambda r: r.median_ms, default=None)
+        for v in live:
+            row = model_rows[v]
+            if base is not None and base.median_ms:
+                row.vs_autocast = row.median_ms / base.median_ms
+            if pure is not None and pure.median_ms:
+                row.vs_pure_low = row.median_ms / pure.median_ms
+            if fp32 is not None and fp32.median_ms:
+                row.vs_fp32 = row.median_ms / fp32.median_ms
+            if best:
+                row.vs_best = row.median_ms / best
+                row.best = best_name
+        if limits:
+            show_progress(f"[{model_name}] where the time goes ... {eta.line()}")
+            _add_limits(model_rows, prepared, case, task, low)
+        rows.extend(model_rows.values())
+    show_progress("")
+    print(file=sys.stderr, end="")
+    return rows
+
+
+def _add_limits(model_rows: dict[str, Row], prepared: dict[str, Variant], case: zoo.Case, task: str, dtype: torch.dtype) -> None:
+    """Set ``limits`` on the fastest row at autocast's accuracy or better: the matmul-only bound of
+    a step (its matmul FLOPs, counted on an uncompiled fp32 copy, at this CPU's large-GEMM rate) and
+    how far that row is from it (:func:`graphamp.bench.limits.limits_line`)."""
+    ok = [r for r in model_rows.values() if r.status == "ok" and r.median_ms and r.variant not in PURE_LOW and r.variant in prepared]
+    if not ok:
+        return
+    fastest = min(ok, key=lambda r: r.median_ms)
+    try:
+        flops = bench_limits.matmul_flops(prepare("fp32", case, task, dtype).step)
+        split = bench_limits.time_split(prepared[fastest.variant].step, calls=2)
+        fastest.limits = bench_limits.limits_line(flops, dtype, fastest=fastest.variant, fastest_ms=fastest.median_ms, split=split)
+    except Exception as e:  # a profile or count that fails costs the line, not the run
+        fastest.limits = f"where the time goes: not measured ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+
+
+def build_case(name: str) -> zoo.Case:
+    """A built-in bench model (benchmark sizes), or ``pkg.module:factory`` for the user's own."""
+    if name in BENCH_MODELS:
+        return BENCH_MODELS[name]()
+    if ":" in name:
+        return zoo.build(name)
+    raise ValueError(f"unknown model {name!r}; built-in models: {', '.join(BENCH_MODELS)}, or pkg.module:factory")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[Row]) -> str:
+    """A Markdown table of the rows."""
+    head = (
+        "| model | task | dtype | variant | median ms | p10-p90 ms | vs autocast | vs pure low | vs fp32 | vs best "
+        "| casts/call | peak MiB | max err | err vs fp32 (autocast's) | setup s |"
+    )
+    lines = [head, "|" + "---|" * 15]
+    for r in rows:
+        if r.status != "ok":
+            lines.append(f"| {r.model} | {r.task} | {r.dtype} | {r.variant} | {r.status} |" + " |" * 10)
+            continue
+        lines.append(
+            f"| {r.model} | {r.task} | {r.dtype} | {r.variant} | {_fmt(r.median_ms, '.3f')} | "
+            f"{_fmt(r.p10_ms, '.3f')}-{_fmt(r.p90_ms, '.3f')} | {_fmt(r.vs_autocast, '.2f')} | "
+            f"{_fmt(r.vs_pure_low, '.2f')} | {_fmt(r.vs_fp32, '.2f')} | {_fmt(r.vs_best, '.2f')} | "
+            f"{_fmt(r.casts_per_call, 'd')} | {_fmt(r.peak_mib, '.1f')} | "
+            f"{_fmt(r.max_err, '.3g')} | {_fmt(r.err_vs_fp32, '.3g')} ({_fmt(r.autocast_err_vs_fp32, '.3g')}) | {_fmt(r.setup_s, '.1f')} |"
+        )
+    notes = [f"{r.model} {r.variant}: {r.note}" for r in rows if r.note]
+    notes += [f"{r.model} ({r.task}, {r.dtype}), where the time goes: {r.limits}" for r in rows if r.limits]
+    bests = {r.model: r.best for r in rows if r.best}
+    if bests:
+        notes += [f"vs best: each row over the fastest alternative without graphamp ({', '.join(ALTERNATIVES)} as run): "
+                  + ", ".join(f"{m}: {b}" for m, b in bests.items())]
+    if notes:
+        lines += [""] + notes
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row]) -> list[dict]:
+    return [{k: v for k, v in asdict(r).items()} for r in rows]

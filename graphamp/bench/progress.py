@@ -1,0 +1,74 @@
+"""The bench's progress line and its estimate of the time left, from what this run measured so far."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+from graphamp.bench.variants import COMPILED
+
+__all__ = ["Estimate", "PRIOR_SETUP_S", "show_progress", "setup_kind"]
+
+
+def show_progress(message: str) -> None:
+    """A one-line progress bar on a terminal; whole lines per phase otherwise (logs, CI)."""
+    if sys.stderr.isatty():
+        print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
+    elif message and "round" not in message:
+        print(message, file=sys.stderr, flush=True)
+
+
+# What preparing a variant costs before any is measured (s, this project's 2-core machines, cold
+# inductor cache): an eager variant, a conversion, one inductor compile. Replaced by this run's own
+# measurement of the same kind as soon as one has run.
+PRIOR_SETUP_S = {"eager": 5.0, "convert": 20.0, "compile": 40.0}
+
+
+def setup_kind(variant: str, cpp_wrapper: bool) -> tuple[str, float]:
+    """What preparing ``variant`` costs, as (kind, how many of that kind)."""
+    if variant in ("graphamp_autotune_compiled", "trainstep_autotune_compiled"):
+        return "compile", 3.0 + cpp_wrapper  # up to three candidates, then the C++-wrapper build
+    if variant.startswith("compile_"):
+        return "compile", 1.0 + cpp_wrapper
+    if variant in COMPILED:
+        return "compile", 1.0
+    if variant.startswith(("graphamp", "trainstep")):
+        return "convert", 1.0
+    return "eager", 1.0
+
+
+class Estimate:
+    """Time left in a run, from what this run measured so far: the setup of each kind of variant
+    (priors until one of a kind ran) and, once a model's variants are warm, its timing rounds."""
+
+    def __init__(self, work: list[tuple[str, str, tuple[str, float]]], rounds: int) -> None:
+        self.start = time.perf_counter()
+        self.pending = {(m, v): kind for m, v, kind in work}
+        self.rounds = {(m, v): rounds for m, v, _ in work}
+        self.round_s: dict[tuple[str, str], float] = {}
+        self.measured: dict[str, list[float]] = {}
+
+    def prepared(self, model: str, variant: str, seconds: float) -> None:
+        kind, units = self.pending.pop((model, variant))
+        self.measured.setdefault(kind, []).append(seconds / units)
+
+    def per_round(self, model: str, variant: str, seconds: float) -> None:
+        self.round_s[(model, variant)] = seconds
+
+    def timed(self, model: str, variant: str) -> None:
+        self.rounds[(model, variant)] -= 1
+
+    def failed(self, model: str, variant: str) -> None:
+        self.rounds[(model, variant)] = 0
+
+    def left_s(self) -> float:
+        setup = sum(units * statistics.mean(self.measured.get(kind) or [PRIOR_SETUP_S[kind]]) for kind, units in self.pending.values())
+        # Rounds of variants not yet warm: the mean round of those that are (1 s before any).
+        guess = statistics.mean(self.round_s.values()) if self.round_s else 1.0
+        timing = sum(n * self.round_s.get(key, guess) for key, n in self.rounds.items() if n > 0)
+        return setup + timing
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        return f"({elapsed:.0f} s elapsed, about {self.left_s():.0f} s left)"
