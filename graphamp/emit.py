@@ -1,4 +1,9 @@
-"""The module graphamp returns: a GraphModule with explicit casts and no runtime autocast."""
+"""The module graphamp returns: a GraphModule with explicit casts and no runtime autocast.
+
+Beside it: what it fixes and checks about its inputs (:mod:`graphamp.inputs`), how it holds its
+model's state (:mod:`graphamp.model_binding`), what it records about its conversion
+(:mod:`graphamp.conversion_info`), and the compile-time half of saving it (:mod:`graphamp.saving`).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,10 @@ import copy
 import dataclasses
 import importlib
 import inspect
-import io
 import logging
-import pickle
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,8 +26,7 @@ from torch.utils import _pytree as pytree
 from torch.fx import GraphModule
 from torch.fx.graph_module import _forward_from_src
 
-from graphamp.capture import SIZE_CONDITIONS
-from graphamp.config import Config
+from graphamp.conversion_info import SELF_CHECK_META, AmpInfo, SelfCheck
 from graphamp.errors import InputMismatchError, InputShapeError, InputStructureError, InputValueError, PolicyDriftError, ModelChangedError, ModelMethodError
 from graphamp.spec import AmpSpec, autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
@@ -35,12 +36,16 @@ from graphamp.node_info import NodeInfo, peek
 from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
 from graphamp.model_state import ModelState
+from graphamp.model_binding import graph_reads, in_model_order, share_state, signed_forward, training_as
 from graphamp.eager import difference_without
 from graphamp.shared_state import in_capture
-from graphamp.runtime import (
-    RESTORE_ON_REFUSAL, AmpTracer, InputGuard, cached_cast, read_state, rebuild_amp_module, restored_on_refusal,
+from graphamp.inputs import (  # is_all_ones too: graphamp.pipeline imports it from here
+    ALL_ONES_AS_NONE, ALL_ONES_PROVEN, MAX_ALL_ONES_PROVEN, all_ones_key, describe_signature, input_guard, input_signature,
+    is_all_ones, plain_arity,
 )
+from graphamp.runtime import RESTORE_ON_REFUSAL, AmpTracer, cached_cast, read_state, rebuild_amp_module, restored_on_refusal
 from graphamp.runtime_saved import MODEL, NODE_META, node_meta_record
+from graphamp.saving import picklable, saved_info
 
 __all__ = ["AmpModule", "AmpInfo", "SelfCheck", "emit", "input_signature", "describe_signature"]
 
@@ -50,19 +55,9 @@ _GRAPH = "_graphamp_graph"  # the class attribute holding the generated code (re
 _BUILDING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphamp_emit_building", default=False)
 _VARIANTS = "_graphamp_variants"  # the modules converted for other shape classes, in order
 _MODES = "_graphamp_modes"  # the modules converted for another training mode, or for calls without grad
-# Keyword inputs passed as None when all ones: convert found eager's program for an all-ones mask is
-# the one it runs without the mask (the model drops it by value), and checked it (convert.py).
-ALL_ONES_AS_NONE = "_graphamp_all_ones_as_none"
-# {(training, ((name, mask shape), ...)): bool}: whether eager autocast was seen to run the same
-# program for these all-ones masks as without them. The example's entry is proven by convert's
-# self-check; every other is checked once, on first use, by running eager both ways.
-ALL_ONES_PROVEN = "_graphamp_all_ones_proven"
-MAX_ALL_ONES_PROVEN = 64  # past this many mask shapes, all-ones masks are passed as given
 _MODEL_STATE = "_graphamp_model_state"  # a ModelState: what the model held at conversion
 # The engine that converts the model again (emit's ``engine``); saved by its qualified name.
 ENGINE = "_graphamp_engine"
-# amp.meta key: what convert's self-check found (a SelfCheck; a plain dict once loaded).
-SELF_CHECK_META = "graphamp.self_check"
 _ENGINE_MODULE, _ENGINE_NAME = "graphamp.pipeline", "reconvert"
 # How many other shape classes one converted module converts for before it refuses: each holds a
 # graph and costs a conversion (seconds), so inputs of ever new shapes should be padded instead.
@@ -96,120 +91,6 @@ def _reconversion_lock(module: nn.Module) -> contextlib.AbstractContextManager:
         if lock is None:
             lock = _RECONVERSION_LOCKS[module] = threading.RLock()
     return lock
-
-
-@dataclass(frozen=True)
-class AmpInfo:
-    """What a converted module was converted for (``amp.graphamp_info``); saved with it."""
-
-    __module__ = "graphamp"  # its public path, which saved modules name
-
-    device_type: str
-    dtype: torch.dtype
-    mode: str
-    training: bool
-    config: Config
-    inference: bool = False
-    keep_io_types: bool = False  # a default: modules saved before it was recorded load with it
-    grad_free: bool = False  # the graph for calls without grad of an exact module (AmpSpec.grad_free)
-    capture: str = "export"  # how the graph was captured (AmpSpec.capture); other shapes capture alike
-
-    def spec(self) -> AmpSpec:
-        """The conversion's spec again, to convert the same model for another shape class."""
-        return AmpSpec(
-            self.device_type, self.dtype, self.mode, self.inference, self.config, "module", self.keep_io_types, self.grad_free,
-            self.capture,
-        )
-
-
-_TENSOR = "<tensor>"
-
-
-def input_signature(args: tuple, kwargs: dict) -> tuple[Any, tuple]:
-    """The inputs' structure and non-tensor values, which a converted graph fixes (tensor sizes
-    and values may vary); keyword order does not matter."""
-    leaves, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in sorted(kwargs)}))
-    return spec, tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
-
-
-@dataclasses.dataclass(frozen=True)
-class SelfCheck:
-    """What convert's self-check compared and found, kept in ``amp.meta["graphamp.self_check"]``."""
-
-    # True: every output value and dtype (and gradient, if compared) equal to eager autocast's.
-    ok: bool
-    # Whether parameter gradients of a fixed loss were compared too (not for inference=True).
-    grads: bool
-    # Seconds the check took (both runs, and on a difference the search for the divergent node).
-    seconds: float
-    # What differs, empty when ok.
-    problem: str = ""
-
-
-def is_all_ones(value: Any) -> bool:
-    """Whether ``value`` is a non-empty integer or bool tensor of ones: a mask that masks nothing.
-
-    >>> assert is_all_ones(torch.ones(2, 3, dtype=torch.long)) and not is_all_ones(torch.ones(2))
-    """
-    return (
-        isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
-        and value.numel() > 0 and bool((value == 1).all())
-    )
-
-
-def all_ones_key(kwargs: dict, names: tuple[str, ...], training: bool) -> tuple | None:
-    """The :data:`ALL_ONES_PROVEN` key of these keyword inputs: the training mode and the shapes of
-    the all-ones masks among ``names``; None where none is all ones.
-
-    >>> all_ones_key({"attention_mask": torch.ones(2, 5, dtype=torch.long)}, ("attention_mask",), False)
-    (False, (('attention_mask', (2, 5)),))
-    """
-    ones = tuple((k, tuple(kwargs[k].shape)) for k in names if is_all_ones(kwargs.get(k)))
-    return (training, ones) if ones else None
-
-
-def _plain_arity(args: tuple, kwargs: dict) -> int | None:
-    """n when the example was n positional tensors and nothing else: calls like it skip flattening."""
-    if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
-        return None
-    return len(args)
-
-
-def describe_signature(signature: tuple[Any, tuple]) -> str:
-    spec, constants = signature
-    args, kwargs = pytree.tree_unflatten(list(constants), spec)
-    return f"args={args!r} kwargs={kwargs!r}"
-
-
-def _guard_from(gm: GraphModule) -> InputGuard:
-    names, specs = [], []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        names.append(node.name)
-        if isinstance(val, torch.Tensor):
-            dims = [_dim_spec(d) for d in val.shape]
-            specs.append((val.dtype, val.device.type, dims))
-        else:
-            specs.append(None)
-    ranges = {}
-    for sym, vr in gm.meta.get("range_constraints", {}).items():
-        ranges[str(sym)] = (_bound(vr.lower) or 0, _bound(vr.upper))
-    symbols = {d for spec in specs if spec is not None for d in spec[2] if isinstance(d, str)}
-    conditions = [c for c in gm.meta.get(SIZE_CONDITIONS, ()) if set(c[1]) <= symbols]
-    return InputGuard(names, specs, ranges, gm.meta.get("range_reasons"), conditions)
-
-
-def _bound(value: Any) -> int | None:
-    """An integer range bound, or None for infinity (sympy's and torch's int_oo)."""
-    return int(value) if getattr(value, "is_Integer", False) else None
-
-
-def _dim_spec(d: int | torch.SymInt) -> int | str:
-    """A static size, or the name (or expression) of a symbolic one."""
-    if isinstance(d, int):
-        return d
-    expr = d.node.expr
-    return int(expr) if expr.is_number else str(expr)
 
 
 class AmpModule(GraphModule):
@@ -286,7 +167,7 @@ class AmpModule(GraphModule):
         all-ones masks as with None for them."""
         info = self.graphamp_info
         grads = self.training and not info.inference and torch.is_grad_enabled()
-        with _training_as(model, self.training):
+        with training_as(model, self.training):
             problem = difference_without(model, args, kwargs, names, info.spec(), grads=grads)
         if problem:
             _log.info(
@@ -347,7 +228,7 @@ class AmpModule(GraphModule):
         emitted with, checked as convert checked this module (raising, or warning where convert
         warned); a conversion that fails is ``error``, naming ``what`` it was for."""
         # Captured in the grad mode its calls run in: the model's code may read it.
-        with _training_as(model, training), torch.inference_mode(False), torch.set_grad_enabled(not spec.grad_free):
+        with training_as(model, training), torch.inference_mode(False), torch.set_grad_enabled(not spec.grad_free):
             try:
                 return self._engine()(model, args, kwargs, spec, self.meta.get(SELF_CHECK_META))
             except PolicyDriftError:
@@ -385,7 +266,7 @@ class AmpModule(GraphModule):
         model, state = self.__dict__.get(MODEL), self.__dict__.get(_MODEL_STATE)
         if model is None or state is None:
             return
-        replaced = state.replaced(model, _reads(self))
+        replaced = state.replaced(model, graph_reads(self))
         theirs = [p for _, p in model.named_parameters(remove_duplicate=False)]
         sharded = type(model).__name__.startswith("FSDP") or any(
             type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor" for p in theirs
@@ -510,7 +391,7 @@ class AmpModule(GraphModule):
         # The generated code runs the graph (_run); the class's forward is the dispatch, with the
         # model's signature, and its call nn.Module's (FX's wrapped call would bypass the dispatch).
         setattr(cls, _GRAPH, cls.__dict__["forward"])
-        cls.forward = _signed_forward(self.__dict__.get(MODEL))
+        cls.forward = signed_forward(AmpModule.forward, self.__dict__.get(MODEL))
         if "__call__" in vars(cls):
             del cls.__call__
         return code
@@ -593,11 +474,11 @@ class AmpModule(GraphModule):
         body.pop(ENGINE, None)  # files name only the runtime: the loaded module finds the engine by name
         # The model travels so that the loaded module converts again for other shape classes; its
         # parameters are pickled once, as the objects this module shares with it.
-        if body.get(MODEL) is not None and not _picklable(body[MODEL]):
+        if body.get(MODEL) is not None and not picklable(body[MODEL]):
             body.pop(MODEL)
         # Loading re-traces the code, which keeps no node meta: graphamp's record of each node
         # travels beside it, so a loaded module's cast_summary() still reports its casts.
-        body[NODE_META] = node_meta_record(self.graph, _saved_info)
+        body[NODE_META] = node_meta_record(self.graph, saved_info)
         # convert's self-check record is a compile-time class: files hold its fields, a plain dict.
         check = body.get("meta", {}).get(SELF_CHECK_META)
         if dataclasses.is_dataclass(check):
@@ -632,65 +513,8 @@ class AmpModule(GraphModule):
                 "frozen_weights": frozen, "ops_by_category": dict(categories)}
 
 
-# What reports read; the rest of a NodeInfo (regions, captured dtypes) is compile-time only.
-_SAVED_FIELDS = ("category", "dtype", "reason", "cast", "source_dtype", "cached", "frozen", "decomposed_from", "eager_kernel", "attention", "notes")
-
-
-def _saved_info(node: torch.fx.Node) -> dict[str, Any] | None:
-    """A node's record as a saved module keeps it: a plain dict, with a cast's source dtype."""
-    record = peek(node)
-    if record is None:
-        return None
-    saved = {k: v for k, v in record.to_dict().items() if k in _SAVED_FIELDS}
-    if record.cast:
-        found = (node.args[1], None) if node.target is cached_cast else cast_source(node)
-        if found is not None and tensor_dtype(found[0]) is not None:
-            saved["source_dtype"] = tensor_dtype(found[0])
-    return saved or None
-
-
 def _shapes(args: tuple, kwargs: dict) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-
-
-class _TensorsAside(pickle.Pickler):
-    """Pickles all but tensor data: whether a model pickles, without copying its weights."""
-
-    def persistent_id(self, obj: Any) -> int | None:
-        return id(obj) if isinstance(obj, torch.Tensor) else None
-
-
-def _picklable(model: nn.Module) -> bool:
-    """Whether ``model`` can be saved with its converted module (a class defined in a function,
-    a lambda attribute or a ScriptModule cannot)."""
-    try:
-        _TensorsAside(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(model)
-    except Exception:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _training_as(model: nn.Module, training: bool) -> Iterator[None]:
-    """``model`` (every submodule) in the given training mode for the duration, then as it was:
-    the converted module's graph fixed its mode, which the model may have left since."""
-    saved = [(m, m.training) for m in model.modules()]
-    if any(flag != training for _, flag in saved):
-        model.train(training)
-    try:
-        yield
-    finally:
-        for m, flag in saved:
-            m.training = flag
-
-
-def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
-    *parents, name = path.split(".")
-    for p in parents:
-        if not hasattr(module, p):
-            module.add_module(p, nn.Module())
-        module = getattr(module, p)
-    return module, name
 
 
 def emit(
@@ -702,7 +526,7 @@ def emit(
     args, kwargs, spec, self_check_record)``, from :mod:`graphamp.pipeline`, which calls emit)."""
     graph = gm.graph
     placeholders = graph.find_nodes(op="placeholder")
-    guard = _guard_from(gm)
+    guard = input_guard(gm)
     gm.add_submodule(_GUARD, guard)
     if placeholders:
         with graph.inserting_after(placeholders[-1]):
@@ -716,33 +540,7 @@ def emit(
         _BUILDING.reset(building)
     frozen = gm.meta.pop("graphamp_frozen", {})
     amp.meta.update(gm.meta)
-    state = model.state_dict(keep_vars=True)
-    persistent = set(state)
-    params = {id(p) for p in model.parameters()}
-    for path, buf in model.named_buffers(remove_duplicate=False):
-        if path not in persistent:
-            state[path] = buf
-    for path, value in state.items():
-        owner, name = _owner(amp, path)
-        if id(value) in params and not isinstance(value, nn.Parameter):
-            # A deep-copied ScriptModule's parameters are plain (non-leaf) tensors; the model
-            # lists them as parameters, and so does its converted module.
-            owner._buffers.pop(name, None)
-            owner._parameters[name] = value
-            continue
-        if name in dict(owner.named_parameters(recurse=False)) or name in dict(owner.named_buffers(recurse=False)):
-            continue
-        if isinstance(value, nn.Parameter):
-            owner.register_parameter(name, value)
-        else:
-            owner.register_buffer(name, value)
-    # Constants lifted by export and non-persistent buffers stay out of state_dict, as in the model.
-    for path, _ in list(amp.named_buffers(remove_duplicate=False)):
-        if path not in persistent:
-            owner, name = _owner(amp, path)
-            buf = owner.get_buffer(name)
-            delattr(owner, name)
-            owner.register_buffer(name, buf, persistent=False)
+    share_state(amp, model)
     amp.__dict__["_graphamp"] = AmpInfo(
         spec.device_type, spec.dtype, spec.mode, model.training, spec.config, spec.inference, spec.keep_io_types,
         grad_free=spec.grad_free, capture=spec.capture,
@@ -754,9 +552,9 @@ def emit(
         amp.__dict__[ENGINE] = engine
     if example is not None:
         amp.__dict__["_graphamp_signature"] = input_signature(*example)
-        amp.__dict__["_graphamp_arity"] = _plain_arity(*example)
+        amp.__dict__["_graphamp_arity"] = plain_arity(*example)
     nn.Module.train(amp, model.training)
-    _in_model_order(amp, model)
+    in_model_order(amp, model)
     amp.recompile()
     return amp
 
@@ -775,52 +573,6 @@ def bind_model(amp: AmpModule, model: nn.Module) -> None:
     """Keep ``model`` with its converted module: to convert it again (other shapes, modes), to show
     its forward's signature, and to notice when its parameters are no longer the graph's."""
     amp.__dict__[MODEL] = model
-    amp.__dict__[_MODEL_STATE] = ModelState(model, _reads(amp))
+    amp.__dict__[_MODEL_STATE] = ModelState(model, graph_reads(amp))
     if _GRAPH in type(amp).__dict__:  # a loaded module: its class's forward gets the signature now
-        type(amp).forward = _signed_forward(model)
-
-
-def _reads(amp: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters and buffers ``amp``'s graph reads, by name."""
-    reads = dict(amp.named_parameters(remove_duplicate=False))
-    reads.update(amp.named_buffers(remove_duplicate=False))
-    return reads
-
-
-def _signed_forward(model: nn.Module | None) -> Any:
-    """AmpModule.forward as a function of its own, showing the model's forward's signature (HF
-    Trainer drops the dataset columns it does not name)."""
-
-    def forward(self: AmpModule, *args: Any, **kwargs: Any) -> Any:
-        return AmpModule.forward(self, *args, **kwargs)
-
-    forward.__doc__ = AmpModule.forward.__doc__
-    if model is not None:
-        try:
-            signature = inspect.signature(model.forward)
-        except (TypeError, ValueError):  # a builtin or C++ forward (ScriptModule)
-            return forward
-        params = list(signature.parameters.values())
-        if not params or params[0].name != "self":  # a ScriptModule's method shows its self
-            params.insert(0, inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD))
-        try:
-            forward.__signature__ = signature.replace(parameters=params)
-        except ValueError:  # a parameter named self elsewhere: keep the generic signature
-            pass
-    return forward
-
-
-def _in_model_order(amp: nn.Module, model: nn.Module) -> None:
-    """Order each submodule's parameters, buffers and children as the model's, so that
-    ``parameters()`` lists them in the model's order (gradient clipping sums the norm in it)."""
-    ours = dict(amp.named_modules(remove_duplicate=False))
-    for path, theirs in model.named_modules(remove_duplicate=False):
-        mine = ours.get(path)
-        if mine is None:
-            continue
-        for field in ("_parameters", "_buffers", "_modules"):
-            table, order = getattr(mine, field), list(getattr(theirs, field).keys())  # ScriptModule's wrap theirs
-            rank = {name: i for i, name in enumerate(order)}
-            ordered = sorted(table.items(), key=lambda item: rank.get(item[0], len(rank)))
-            table.clear()
-            table.update(ordered)
+        type(amp).forward = signed_forward(AmpModule.forward, model)

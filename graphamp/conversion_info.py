@@ -1,0 +1,55 @@
+"""What a converted module records about its conversion: what it was converted for
+(:class:`AmpInfo`, ``amp.graphamp_info``) and what convert's self-check found (:class:`SelfCheck`,
+``amp.meta[SELF_CHECK_META]``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphamp.config import Config
+from graphamp.spec import AmpSpec
+
+__all__ = ["SELF_CHECK_META", "AmpInfo", "SelfCheck"]
+
+# amp.meta key: what convert's self-check found (a SelfCheck; a plain dict once loaded).
+SELF_CHECK_META = "graphamp.self_check"
+
+
+@dataclass(frozen=True)
+class AmpInfo:
+    """What a converted module was converted for (``amp.graphamp_info``); saved with it."""
+
+    __module__ = "graphamp"  # its public path, which saved modules name
+
+    device_type: str
+    dtype: torch.dtype
+    mode: str
+    training: bool
+    config: Config
+    inference: bool = False
+    keep_io_types: bool = False  # a default: modules saved before it was recorded load with it
+    grad_free: bool = False  # the graph for calls without grad of an exact module (AmpSpec.grad_free)
+    capture: str = "export"  # how the graph was captured (AmpSpec.capture); other shapes capture alike
+
+    def spec(self) -> AmpSpec:
+        """The conversion's spec again, to convert the same model for another shape class."""
+        return AmpSpec(
+            self.device_type, self.dtype, self.mode, self.inference, self.config, "module", self.keep_io_types, self.grad_free,
+            self.capture,
+        )
+
+
+@dataclass(frozen=True)
+class SelfCheck:
+    """What convert's self-check compared and found, kept in ``amp.meta[SELF_CHECK_META]``."""
+
+    # True: every output value and dtype (and gradient, if compared) equal to eager autocast's.
+    ok: bool
+    # Whether parameter gradients of a fixed loss were compared too (not for inference=True).
+    grads: bool
+    # Seconds the check took (both runs, and on a difference the search for the divergent node).
+    seconds: float
+    # What differs, empty when ok.
+    problem: str = ""

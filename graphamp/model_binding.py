@@ -1,0 +1,137 @@
+"""How a converted module is bound to its model: it holds the model's own parameters and buffers,
+under the model's names and in the model's order (so that an optimizer built on
+``model.parameters()`` trains the converted module and ``state_dict`` keys match); its forward shows
+the model's signature; and the model runs eagerly for it in the training mode its graph was
+converted in."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["graph_reads", "in_model_order", "share_state", "signed_forward", "training_as"]
+
+
+def share_state(amp: nn.Module, model: nn.Module) -> None:
+    """Register ``model``'s parameters and buffers in ``amp`` under the same paths (creating the
+    submodules the paths pass through), as the same objects; buffers that stay out of the model's
+    ``state_dict`` (non-persistent ones, constants export lifted) stay out of ``amp``'s.
+
+    >>> model, amp = nn.Sequential(nn.Linear(2, 2)), nn.Module()
+    >>> share_state(amp, model)
+    >>> assert amp.get_parameter("0.weight") is model[0].weight
+    """
+    state = model.state_dict(keep_vars=True)
+    persistent = set(state)
+    params = {id(p) for p in model.parameters()}
+    for path, buf in model.named_buffers(remove_duplicate=False):
+        if path not in persistent:
+            state[path] = buf
+    for path, value in state.items():
+        owner, name = _owner(amp, path)
+        if id(value) in params and not isinstance(value, nn.Parameter):
+            # A deep-copied ScriptModule's parameters are plain (non-leaf) tensors; the model
+            # lists them as parameters, and so does its converted module.
+            owner._buffers.pop(name, None)
+            owner._parameters[name] = value
+            continue
+        if name in dict(owner.named_parameters(recurse=False)) or name in dict(owner.named_buffers(recurse=False)):
+            continue
+        if isinstance(value, nn.Parameter):
+            owner.register_parameter(name, value)
+        else:
+            owner.register_buffer(name, value)
+    # Constants lifted by export and non-persistent buffers stay out of state_dict, as in the model.
+    for path, _ in list(amp.named_buffers(remove_duplicate=False)):
+        if path not in persistent:
+            owner, name = _owner(amp, path)
+            buf = owner.get_buffer(name)
+            delattr(owner, name)
+            owner.register_buffer(name, buf, persistent=False)
+
+
+def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
+    *parents, name = path.split(".")
+    for p in parents:
+        if not hasattr(module, p):
+            module.add_module(p, nn.Module())
+        module = getattr(module, p)
+    return module, name
+
+
+def in_model_order(amp: nn.Module, model: nn.Module) -> None:
+    """Order each submodule's parameters, buffers and children as the model's, so that
+    ``parameters()`` lists them in the model's order (gradient clipping sums the norm in it)."""
+    ours = dict(amp.named_modules(remove_duplicate=False))
+    for path, theirs in model.named_modules(remove_duplicate=False):
+        mine = ours.get(path)
+        if mine is None:
+            continue
+        for field in ("_parameters", "_buffers", "_modules"):
+            table, order = getattr(mine, field), list(getattr(theirs, field).keys())  # ScriptModule's wrap theirs
+            rank = {name: i for i, name in enumerate(order)}
+            ordered = sorted(table.items(), key=lambda item: rank.get(item[0], len(rank)))
+            table.clear()
+            table.update(ordered)
+
+
+def graph_reads(amp: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and buffers ``amp``'s graph reads, by name."""
+    reads = dict(amp.named_parameters(remove_duplicate=False))
+    reads.update(amp.named_buffers(remove_duplicate=False))
+    return reads
+
+
+@contextlib.contextmanager
+def training_as(model: nn.Module, training: bool) -> Iterator[None]:
+    """``model`` (every submodule) in the given training mode for the duration, then as it was:
+    the converted module's graph fixed its mode, which the model may have left since.
+
+    >>> model = nn.Sequential(nn.Dropout()).eval()
+    >>> with training_as(model, True):
+    ...     assert model[0].training
+    >>> assert not model[0].training
+    """
+    saved = [(m, m.training) for m in model.modules()]
+    if any(flag != training for _, flag in saved):
+        model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
+
+
+def signed_forward(dispatch: Callable[..., Any], model: nn.Module | None) -> Callable[..., Any]:
+    """``dispatch`` (AmpModule.forward) as a function of its own, showing the model's forward's
+    signature (HF Trainer drops the dataset columns it does not name).
+
+    >>> class Model(nn.Module):
+    ...     def forward(self, input_ids, attention_mask=None):
+    ...         return input_ids
+    >>> forward = signed_forward(lambda self, *args, **kwargs: args, Model())
+    >>> assert list(inspect.signature(forward).parameters) == ["self", "input_ids", "attention_mask"]
+    """
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return dispatch(self, *args, **kwargs)
+
+    forward.__doc__ = dispatch.__doc__
+    if model is not None:
+        try:
+            signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):  # a builtin or C++ forward (ScriptModule)
+            return forward
+        params = list(signature.parameters.values())
+        if not params or params[0].name != "self":  # a ScriptModule's method shows its self
+            params.insert(0, inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        try:
+            forward.__signature__ = signature.replace(parameters=params)
+        except ValueError:  # a parameter named self elsewhere: keep the generic signature
+            pass
+    return forward

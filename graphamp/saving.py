@@ -1,0 +1,60 @@
+"""The compile-time half of saving an AmpModule (``AmpModule.__reduce__``): each node's record as
+the file keeps it, and whether the model can travel with its converted module.
+
+The loading half, which files name, is :func:`graphamp.runtime.rebuild_amp_module`; the keys and
+node record both halves share are in :mod:`graphamp.runtime_saved`.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphamp.node_info import peek
+from graphamp.passes.graph_edit import cast_source, tensor_dtype
+from graphamp.runtime import cached_cast
+
+__all__ = ["picklable", "saved_info"]
+
+# What reports read; the rest of a NodeInfo (regions, captured dtypes) is compile-time only.
+_SAVED_FIELDS = ("category", "dtype", "reason", "cast", "source_dtype", "cached", "frozen", "decomposed_from", "eager_kernel", "attention", "notes")
+
+
+def saved_info(node: torch.fx.Node) -> dict[str, Any] | None:
+    """A node's record as a saved module keeps it: a plain dict, with a cast's source dtype."""
+    record = peek(node)
+    if record is None:
+        return None
+    saved = {k: v for k, v in record.to_dict().items() if k in _SAVED_FIELDS}
+    if record.cast:
+        found = (node.args[1], None) if node.target is cached_cast else cast_source(node)
+        if found is not None and tensor_dtype(found[0]) is not None:
+            saved["source_dtype"] = tensor_dtype(found[0])
+    return saved or None
+
+
+class _TensorsAside(pickle.Pickler):
+    """Pickles all but tensor data: whether a model pickles, without copying its weights."""
+
+    def persistent_id(self, obj: Any) -> int | None:
+        return id(obj) if isinstance(obj, torch.Tensor) else None
+
+
+def picklable(model: nn.Module) -> bool:
+    """Whether ``model`` can be saved with its converted module (a class defined in a function,
+    a lambda attribute or a ScriptModule cannot).
+
+    >>> model = nn.Linear(2, 2)
+    >>> assert picklable(model)
+    >>> model.scale = lambda x: x * 2  # pickle cannot find a lambda again by name
+    >>> assert not picklable(model)
+    """
+    try:
+        _TensorsAside(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(model)
+    except Exception:
+        return False
+    return True
