@@ -10,8 +10,8 @@ module a saved module names: ``torch.save`` writes a converted module's code wit
 * a name is never removed or renamed, and a signature or a pickled state never changes
   incompatibly, without a loader shim that keeps the files earlier versions saved loading (an
   alias left here, a ``__setstate__`` that upgrades old state);
-* it imports torch and ``graphamp.errors`` only, so the compile-time modules (capture, policy,
-  the passes, emit) can move freely.
+* it imports torch, ``graphamp.errors`` and the runtime's own modules (below) only, so the
+  compile-time modules (capture, policy, the passes, emit) can move freely.
 
 ``tests/test_runtime.py`` checks both halves: a fresh save names nothing else, and the committed
 files in ``tests/fixtures/`` still load and run bitwise equal to eager autocast.
@@ -68,7 +68,8 @@ __all__ = [
     "size_condition_holds",
 ]
 
-# Defined in the runtime's own modules, named here.
+# Defined in the runtime's own modules, named here; the ones outside __all__ for graphamp's own
+# compile-time importers (capture, passes, compiled).
 AutocastState = runtime_autocast.AutocastState
 KeptFunction = runtime_autocast.KeptFunction
 KeptGraphFunction = runtime_autocast.KeptGraphFunction
