@@ -17,7 +17,7 @@ from graphamp.hardware import assume_cpu_flags
 
 def test_the_default_variants_follow_the_cpu():
     with assume_cpu_flags(["amx_bf16", "avx512_bf16"]):
-        assert bench.default_variants("infer", "bf16") == ("fp32", "autocast", "compile_autocast_freezing", "graphamp", "graphamp_compiled")
+        assert bench.default_variants("infer", "bf16") == ("fp32", "autocast", "compile_autocast_freezing", "graphamp_inference", "graphamp_compiled")
         # fp16 is emulated without avx512_fp16/amx_fp16: compiled fp32 is the alternative to beat
         assert bench.default_variants("train", "fp16") == ("fp32", "autocast", "compile_fp32", "graphamp", "graphamp_autotune")
     with assume_cpu_flags([]):

@@ -75,18 +75,21 @@ def default_variants(task: str, dtype: str) -> tuple[str, ...]:
     """The few variants that answer "what should I use on this machine?": fp32, eager autocast, the
     compiled alternative expected fastest on this CPU (torch.compile + autocast where it computes
     ``dtype`` natively, torch.compile in fp32 where it emulates it; with freezing for inference),
-    graphamp exact, and graphamp's path for this CPU (compiled where ``dtype`` is native; autotune,
+    graphamp exact (``inference=True`` for inference), and graphamp's path for this CPU (compiled where ``dtype`` is native; autotune,
     which raises to fp32 each op measured slower in ``dtype``, where it is emulated).
 
     >>> from graphamp.hardware import assume_cpu_flags
     >>> with assume_cpu_flags(["avx512_bf16"]):
-    ...     assert default_variants("infer", "bf16")[2:] == ("compile_autocast_freezing", "graphamp", "graphamp_compiled")
+    ...     assert default_variants("infer", "bf16")[2:] == ("compile_autocast_freezing", "graphamp_inference", "graphamp_compiled")
     >>> with assume_cpu_flags([]):
     ...     assert default_variants("train", "bf16")[2:] == ("compile_fp32", "graphamp", "graphamp_autotune")
     """
     native = hardware.capability("cpu").native(DTYPE_ALIASES[dtype])
     alternative = ("compile_autocast" if native else "compile_fp32") + ("_freezing" if task == "infer" else "")
-    return ("fp32", "autocast", alternative, "graphamp", "graphamp_compiled" if native else "graphamp_autotune")
+    # For inference, graphamp exact is the grad-free conversion (inference=True), as a user serving
+    # the model converts it; its self-check then runs no backward.
+    exact = "graphamp_inference" if task == "infer" else "graphamp"
+    return ("fp32", "autocast", alternative, exact, "graphamp_compiled" if native else "graphamp_autotune")
 
 
 def recommendation(rows: list[Row]) -> str:
