@@ -19,6 +19,8 @@ A failed check raises :class:`graphamp.InputValueError` (or a shape error), and 
 converts again for those inputs, as for any other shape class. A check that would fail after the
 graph changed state (a buffer updated in place, a random draw) is moved, with the ops it reads, to
 the start of the graph, so a refused call leaves nothing behind.
+
+The reads themselves are recorded by :mod:`graphamp.capture.value_reads`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from graphamp.shared_state import capture_lock
@@ -41,80 +42,15 @@ from graphamp.capture.functions import _FunctionKeeper
 from graphamp.eager import RngState
 from graphamp.errors import CaptureError
 from graphamp.node_info import info
-from graphamp.runtime import RESTORE_ON_REFUSAL, Slot, fill, guard_size, guard_value
+from graphamp.runtime import RESTORE_ON_REFUSAL, fill, guard_size, guard_value
 from graphamp.spec import ambient_autocast
 from graphamp.capture import CAPTURED_STATIC, SIZE_CONDITIONS
 from graphamp.capture.functions import _bind_kept_functions
+from graphamp.capture.value_reads import VALUE_READ, Read, ValueReads, eager_reads
 from graphamp.eager import state_restored
 from graphamp.passes.graph_edit import ancestors, fake_mode_of, recompute_val
 
 __all__ = ["capture_by_values"]
-
-
-@torch.library.custom_op("graphamp::value_read", mutates_args=())
-def _value_read(tensors: list[torch.Tensor], key: int) -> None:
-    """A marker the tracer records where the model's code read tensor values (``key`` into the reads)."""
-
-
-@_value_read.register_fake
-def _(tensors: list[torch.Tensor], key: int) -> None:
-    return None
-
-
-_VALUE_READ = torch.ops.graphamp.value_read.default
-
-# The Python-level reads of tensor values model code branches on, by the name the run-time guard
-# reads them with (graphamp.runtime._READS).
-_T = torch.Tensor
-_READ_NAMES: dict[Any, str] = {
-    _T.item: "item", _T.__bool__: "bool", _T.__int__: "int", _T.__float__: "float", _T.__index__: "index",
-    _T.__complex__: "complex", _T.is_nonzero: "is_nonzero", torch.is_nonzero: "is_nonzero", _T.tolist: "tolist",
-    _T.numpy: "numpy", _T.__array__: "numpy", _T.equal: "equal", torch.equal: "equal", _T.__contains__: "contains",
-    _T.allclose: "allclose", torch.allclose: "allclose",
-}
-
-
-class _Read:
-    """One read: how, its arguments (tensors as slots), what it gave, and where in the model's code."""
-
-    def __init__(self, name: str, template: Any, observed: Any, where: str) -> None:
-        self.name, self.template, self.observed, self.where = name, template, observed, where
-
-
-class _ValueReads(TorchFunctionMode):
-    """Records each read of a tensor value by the model's code, with a marker node in the graph."""
-
-    def __init__(self, flip: int | None = None) -> None:
-        super().__init__()
-        self.reads: list[_Read] = []
-        self.flip = flip  # the read whose (bool) value the model's code is told the opposite of
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = _READ_NAMES.get(func)
-        if name is None or kwargs:
-            return out
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not tensors:
-            return out
-        template = tuple(Slot(next(i for i, t in enumerate(tensors) if t is a)) if isinstance(a, torch.Tensor) else a for a in args)
-        observed = out.tolist() if name == "numpy" else out
-        self.reads.append(_Read(name, template, observed, _model_line()))
-        _value_read(tensors, len(self.reads) - 1)
-        if self.flip == len(self.reads) - 1 and isinstance(out, bool):
-            return not out
-        return out
-
-
-def _model_line() -> str:
-    """file:line of the model code that made the current call (the first frame outside torch and graphamp)."""
-    torch_dir = torch.__file__.rsplit("/", 1)[0]
-    here = __file__.rsplit("/", 2)[0]
-    for frame in inspect.stack(context=0)[2:]:
-        if not frame.filename.startswith((torch_dir, here)):
-            return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
-    return ""
 
 
 def capture_by_values(
@@ -127,7 +63,7 @@ def capture_by_values(
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
     flat, in_spec = pytree.tree_flatten((args, kwargs))
-    reads = _ValueReads(flip)
+    reads = ValueReads(flip)
     out_spec: list[Any] = []
 
     def run(state: dict[str, torch.Tensor], flat: list[Any]) -> list[Any]:
@@ -243,7 +179,7 @@ def _is_data_read(node: Node) -> bool:
     )
 
 
-def _guard_reads(gm: GraphModule, reads: list[_Read], values_of: Callable[[list[Node]], dict[Node, Any]]) -> None:
+def _guard_reads(gm: GraphModule, reads: list[Read], values_of: Callable[[list[Node]], dict[Node, Any]]) -> None:
     """Each recorded read becomes a guard on its value; the ATen reads the tracer recorded for it go.
 
     A read the model's code made below the Python API the tracer sees (an op's own ``.item()``, as
@@ -256,7 +192,7 @@ def _guard_reads(gm: GraphModule, reads: list[_Read], values_of: Callable[[list[
     for node in graph.nodes:
         if _is_data_read(node):
             pending.append(node)
-        elif node.op == "call_function" and node.target is _VALUE_READ:
+        elif node.op == "call_function" and node.target is VALUE_READ:
             pending.clear()
         elif pending and node.op == "call_function":
             unmarked += pending
@@ -273,7 +209,7 @@ def _guard_reads(gm: GraphModule, reads: list[_Read], values_of: Callable[[list[
     for node in list(graph.nodes):
         if _is_data_read(node):
             pending.append(node)
-        elif node.op == "call_function" and node.target is _VALUE_READ:
+        elif node.op == "call_function" and node.target is VALUE_READ:
             tensors, key = node.args
             read = reads[key]
             values = fill(read.template, list(tensors))
@@ -490,15 +426,6 @@ def _size_free(node: Node) -> bool:
     if any(isinstance(a, (list, tuple)) for a in node.args):
         return False
     return target._schema.name in _SIZE_FREE or (torch.Tag.pointwise in target.tags and target._overloadname in _SIZE_FREE_OVERLOADS)
-
-
-def eager_reads(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> list[_Read]:
-    """The tensor values the model's Python reads when eager autocast runs it on the example (one
-    forward without grad; the model's state put back)."""
-    reads = _ValueReads()
-    with state_restored(model), ambient_autocast(device_type, dtype), torch.no_grad(), reads:
-        model(*args, **kwargs)
-    return reads.reads
 
 
 def guard_eager_reads(
