@@ -35,8 +35,9 @@ from torch.utils import _pytree as pytree
 
 from graphamp.capture.kernels import eager_kernel_metas
 from graphamp.emit import AmpModule
+from graphamp.node_info import GRAPHAMP, GraphInfo, graph_info, peek_graph_info
 from graphamp.errors import CompileError, CompileFallbackWarning, GraphampError, InputMismatchError, InputShapeError, InputValueError
-from graphamp.runtime import RESTORE_ON_REFUSAL, compiled_guards, restored_on_refusal
+from graphamp.runtime import compiled_guards, restored_on_refusal
 from graphamp.shared_state import compile_scoped
 from graphamp.spec import autocast_off
 from graphamp.eager import autocast_call, outcome, state_restored
@@ -48,7 +49,6 @@ __all__ = [
     "compiled_for_training", "measure_drift",
 ]
 
-DRIFT_META = "graphamp.drift"
 # Ops whose values come from a random generator: inductor draws them from its own, so a compiled
 # training forward with dropout cannot be compared value by value with eager.
 _RANDOM_OPS = ("dropout", "native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like", "randint", "randperm", "multinomial", "normal", "uniform")
@@ -137,7 +137,7 @@ class CompiledAmpModule(nn.Module):
         self.__dict__["_fallback_warned"] = False
         self.__dict__["_lock"] = threading.Lock()
         self.training = amp.training
-        self.meta: dict[str, Any] = {}
+        self.meta: dict[str, Any] = {}  # graphamp's record of it, a GraphInfo (drift, compile_s), as on an AmpModule
 
     @property
     def graphamp_info(self) -> Any:
@@ -156,7 +156,7 @@ class CompiledAmpModule(nn.Module):
     @property
     def drift(self) -> Drift | None:
         """What conversion measured against eager autocast on the example (None if not measured)."""
-        return self.meta.get(DRIFT_META)
+        return (peek_graph_info(self) or GraphInfo()).drift
 
     def _compiled_fn(self) -> Callable[..., Any]:
         compiled = self.__dict__["_compiled"]
@@ -212,7 +212,7 @@ class CompiledAmpModule(nn.Module):
         # Outside the compiled code, so that dynamo traces (and inductor freezes) the program as it
         # runs: no autocast (the graph holds every cast) and, for inference, no grad.
         ambient = torch.is_autocast_enabled(info.device_type)
-        restore = self.amp.meta.get(RESTORE_ON_REFUSAL)
+        restore = (peek_graph_info(self.amp) or GraphInfo()).restore_on_refusal
         with (
             restored_on_refusal(self.amp, *restore) if restore else _nothing(),
             compiled_guards(),
@@ -281,6 +281,8 @@ class CompiledAmpModule(nn.Module):
         amp = copy.deepcopy(self.amp, memo)  # AmpModule's deepcopy keeps the conversion's record
         new = CompiledAmpModule(amp, freezing=self.__dict__["_freezing"], inductor_mode=self.__dict__["_inductor_mode"], options=self.__dict__.get("_options"))
         new.meta = dict(self.meta)
+        if (record := peek_graph_info(self)) is not None:
+            new.meta[GRAPHAMP] = dataclasses.replace(record)  # its own record, not the original's
         memo[id(self)] = new
         return new
 
@@ -433,14 +435,14 @@ def compile_converted(
             "convert(..., compile=False) for the exact, uncompiled module, or torch.compile(model, "
             "backend=\"graphamp\")."
         ) from e
-    cm.meta["graphamp.compile_s"] = time.perf_counter() - start
+    graph_info(cm).compile_s = time.perf_counter() - start
     try:
         drift = measure_drift(cm, model, args, kwargs)
     except Exception as e:  # the drift is a report; eager that cannot run leaves it unmeasured
         drift = Drift(None, None, True, False, comparable=False, note=f"eager autocast could not run the example ({type(e).__name__}: {_first_line(e)})")
-    cm.meta[DRIFT_META] = drift
+    graph_info(cm).drift = drift
     if not drift.dtypes_match and _dtypes_follow_converted(cm, amp, model, args, kwargs):
-        drift = cm.meta[DRIFT_META] = dataclasses.replace(drift, dtypes_by_plan=True, note=(
+        drift = graph_info(cm).drift = dataclasses.replace(drift, dtypes_by_plan=True, note=(
             "raised ops return fp32 where eager autocast returns the low dtype, as the uncompiled module's do"))
     elif not drift.dtypes_match:
         # Inductor ran another program, not the converted graph rounded differently (the autocast

@@ -1,6 +1,6 @@
 """What a converted module records about its conversion: what it was converted for
 (:class:`AmpInfo`, ``amp.graphamp_info``) and what convert's self-check found (:class:`SelfCheck`,
-``amp.meta[SELF_CHECK_META]``)."""
+``graph_info(amp).self_check``)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,7 @@ import torch
 from graphamp.config import Config
 from graphamp.spec import AmpSpec
 
-__all__ = ["SELF_CHECK_META", "AmpInfo", "SelfCheck"]
-
-# amp.meta key: what convert's self-check found (a SelfCheck; a plain dict once loaded).
-SELF_CHECK_META = "graphamp.self_check"
+__all__ = ["AmpInfo", "SelfCheck"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +40,7 @@ class AmpInfo:
 
 @dataclass(frozen=True)
 class SelfCheck:
-    """What convert's self-check compared and found, kept in ``amp.meta[SELF_CHECK_META]``."""
+    """What convert's self-check compared and found, kept in the module's ``GraphInfo.self_check``."""
 
     # True: every output value and dtype (and gradient, if compared) equal to eager autocast's.
     ok: bool

@@ -12,9 +12,9 @@ from torch import nn
 from graphamp import hardware
 from graphamp.backend.fallback import dynamo_fallback, needs_graph_breaks
 from graphamp.config import Config
-from graphamp.emit import SELF_CHECK_META, AmpModule
+from graphamp.emit import AmpModule
 from graphamp.errors import CaptureError, PolicyDriftError
-from graphamp.autotune.plan import PLAN_META
+from graphamp.node_info import graph_info
 from graphamp.pipeline import build, exact_again, self_checked
 from graphamp.self_check import applies, check_self_check
 from graphamp.spec import AmpSpec
@@ -67,7 +67,7 @@ def convert(
             values), which is returned instead;
             "warn" warns :class:`graphamp.PolicyDriftWarning` and returns the module; "off" skips
             it (for conversions in a loop; ``graphamp.verify`` checks on demand). What it found is
-            in ``amp.meta["graphamp.self_check"]``.
+            in ``amp.meta["graphamp"].self_check`` (a ``graphamp.node_info.GraphInfo``).
         compile: hand the converted graph, with its casts, to AOTAutograd and inductor (with
             freezing when ``inference``): faster, and no longer bitwise equal to eager autocast
             (inductor fuses and reduces its own way). The example runs through it once now, which
@@ -122,11 +122,11 @@ def convert(
         try:
             # Undiagnosed where other conversions follow: locating a difference costs a run or a compile.
             quick = on_drift == "raise" and spec.mode == "exact"
-            amp.meta[SELF_CHECK_META] = self_checked(amp, model, args, kwargs, spec, on_drift=on_drift, diagnose=not quick)
+            graph_info(amp).self_check = self_checked(amp, model, args, kwargs, spec, on_drift=on_drift, diagnose=not quick)
         except PolicyDriftError as drift:
             amp = exact_again(model, args, kwargs, spec, drift, refused, first=amp)
     if compile:
-        if spec.mode == "autotune" and spec.config.plan is None and isinstance(amp, AmpModule) and PLAN_META in amp.meta:
+        if spec.mode == "autotune" and spec.config.plan is None and isinstance(amp, AmpModule) and graph_info(amp).plan is not None:
             return fastest_compiled(amp, model, args, kwargs, spec)
         return compile_converted(amp, model, args, kwargs)
     return amp

@@ -26,13 +26,12 @@ from torch.utils import _pytree as pytree
 from torch.fx import GraphModule
 from torch.fx.graph_module import _forward_from_src
 
-from graphamp.conversion_info import SELF_CHECK_META, AmpInfo, SelfCheck
+from graphamp.conversion_info import AmpInfo, SelfCheck
 from graphamp.errors import InputMismatchError, InputShapeError, InputStructureError, InputValueError, PolicyDriftError, ModelChangedError, ModelMethodError
 from graphamp.spec import AmpSpec, autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
-from graphamp.passes.fuse_encoder_layers import FUSED_WITHOUT_GRAD
 from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
-from graphamp.node_info import NodeInfo, peek
+from graphamp.node_info import GRAPHAMP, GraphInfo, NodeInfo, peek, peek_graph_info
 from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
 from graphamp.model_state import ModelState
@@ -43,9 +42,9 @@ from graphamp.inputs import (  # is_all_ones too: graphamp.pipeline imports it f
     ALL_ONES_AS_NONE, ALL_ONES_PROVEN, MAX_ALL_ONES_PROVEN, all_ones_key, describe_signature, input_guard, input_signature,
     is_all_ones, plain_arity,
 )
-from graphamp.runtime import RESTORE_ON_REFUSAL, AmpTracer, cached_cast, read_state, rebuild_amp_module, restored_on_refusal
+from graphamp.runtime import AmpTracer, cached_cast, read_state, rebuild_amp_module, restored_on_refusal
 from graphamp.runtime_saved import MODEL, NODE_META, node_meta_record
-from graphamp.saving import picklable, saved_info
+from graphamp.saving import meta_from_saved, picklable, saved_info, saved_meta
 
 __all__ = ["AmpModule", "AmpInfo", "SelfCheck", "emit", "input_signature", "describe_signature"]
 
@@ -190,7 +189,7 @@ class AmpModule(GraphModule):
             return self
         training = self.training
         base = self if training == info.training else self._mode_variant((training, False), args, kwargs)
-        if not info.inference and not info.grad_free and base.meta.get(FUSED_WITHOUT_GRAD) and not _needs_grad(self, args, kwargs):
+        if not info.inference and not info.grad_free and (peek_graph_info(base) or GraphInfo()).fused_without_grad and not _needs_grad(self, args, kwargs):
             return self._mode_variant((training, True), args, kwargs)
         return base
 
@@ -230,7 +229,7 @@ class AmpModule(GraphModule):
         # Captured in the grad mode its calls run in: the model's code may read it.
         with training_as(model, training), torch.inference_mode(False), torch.set_grad_enabled(not spec.grad_free):
             try:
-                return self._engine()(model, args, kwargs, spec, self.meta.get(SELF_CHECK_META))
+                return self._engine()(model, args, kwargs, spec, (peek_graph_info(self) or GraphInfo()).self_check)
             except PolicyDriftError:
                 raise
             except Exception as failure:
@@ -305,7 +304,7 @@ class AmpModule(GraphModule):
                 "non-tensor values from the example the graph was converted for, which it baked in: "
                 f"{describe_signature(input_signature(args, kwargs))} vs {describe_signature(expected)}."
             )
-        restore = self.meta.get(RESTORE_ON_REFUSAL)
+        restore = (peek_graph_info(self) or GraphInfo()).restore_on_refusal
         with restored_on_refusal(self, *restore) if restore else contextlib.nullcontext():
             if info is not None and info.inference:
                 with torch.no_grad():
@@ -460,6 +459,8 @@ class AmpModule(GraphModule):
 
     # A saved record (a plain dict) as the node's NodeInfo again; the runtime calls it on load.
     node_info_from_saved = staticmethod(NodeInfo.from_dict)
+    # The saved module meta with its GraphInfo again (a plain dict in the file); the runtime calls it on load.
+    meta_from_saved = staticmethod(meta_from_saved)
 
     def __reduce__(self) -> tuple:
         _, (body, import_block) = super().__reduce__()
@@ -479,10 +480,8 @@ class AmpModule(GraphModule):
         # Loading re-traces the code, which keeps no node meta: graphamp's record of each node
         # travels beside it, so a loaded module's cast_summary() still reports its casts.
         body[NODE_META] = node_meta_record(self.graph, saved_info)
-        # convert's self-check record is a compile-time class: files hold its fields, a plain dict.
-        check = body.get("meta", {}).get(SELF_CHECK_META)
-        if dataclasses.is_dataclass(check):
-            body["meta"] = {**body["meta"], SELF_CHECK_META: dataclasses.asdict(check)}
+        # The module's GraphInfo is a compile-time class: files hold its fields, a plain dict.
+        body["meta"] = saved_meta(body.get("meta", {}))
         return (rebuild_amp_module, (body, import_block))
 
     def __deepcopy__(self, memo: dict) -> AmpModule:
@@ -538,8 +537,10 @@ def emit(
         amp = AmpModule(root, graph, class_name=type(model).__name__ + "Amp")
     finally:
         _BUILDING.reset(building)
-    frozen = gm.meta.pop("graphamp_frozen", {})
+    record = peek_graph_info(gm) or GraphInfo()
     amp.meta.update(gm.meta)
+    # The weak references to the model's parameters go on the module itself: they are not saved.
+    frozen, amp.meta[GRAPHAMP] = record.frozen, dataclasses.replace(record, frozen={})
     share_state(amp, model)
     amp.__dict__["_graphamp"] = AmpInfo(
         spec.device_type, spec.dtype, spec.mode, model.training, spec.config, spec.inference, spec.keep_io_types,

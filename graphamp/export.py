@@ -29,6 +29,7 @@ from graphamp.convert import check_inputs
 from graphamp.pipeline import rewrite
 from graphamp.errors import ExportError, GraphampError, PolicyDriftWarning
 from graphamp.passes.export_guards import guards_as_asserts
+from graphamp.node_info import peek_graph_info
 from graphamp.policy import LOW_DTYPES
 from graphamp.runtime import set_grad_enabled
 from graphamp.self_check import check_self_check
@@ -177,7 +178,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, dynamic:
     # graphamp's grad-mode switches are traced through by torch.export; a kept Function is not.
     check_portable(gm, stage="the converted graph", allow=(set_grad_enabled,))
     # Weak references to the model's parameters (for AmpModule.refresh) have no place in a program.
-    gm.meta.pop("graphamp_frozen", None)
+    if (record := peek_graph_info(gm)) is not None:
+        record.frozen = {}
     if spec.keep_io_types:
         args, kwargs = pytree.tree_map_only(torch.Tensor, _as_fp32, (args, kwargs))
     with (

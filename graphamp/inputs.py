@@ -16,7 +16,7 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from graphamp.capture import SIZE_CONDITIONS
+from graphamp.node_info import GraphInfo, peek_graph_info
 from graphamp.runtime import InputGuard
 
 __all__ = [
@@ -100,12 +100,13 @@ def input_guard(gm: GraphModule) -> InputGuard:
             specs.append((val.dtype, val.device.type, dims))
         else:
             specs.append(None)
+    record = peek_graph_info(gm) or GraphInfo()
     ranges = {}
-    for sym, vr in gm.meta.get("range_constraints", {}).items():
+    for sym, vr in record.ranges.items():
         ranges[str(sym)] = (_bound(vr.lower) or 0, _bound(vr.upper))
     symbols = {d for spec in specs if spec is not None for d in spec[2] if isinstance(d, str)}
-    conditions = [c for c in gm.meta.get(SIZE_CONDITIONS, ()) if set(c[1]) <= symbols]
-    return InputGuard(names, specs, ranges, gm.meta.get("range_reasons"), conditions)
+    conditions = [c for c in record.size_conditions if set(c[1]) <= symbols]
+    return InputGuard(names, specs, ranges, record.range_reasons, conditions)
 
 
 def _bound(value: Any) -> int | None:

@@ -1,8 +1,10 @@
-"""The metadata contract: graphamp's one record per node, ``node.meta["graphamp"]``, a :class:`NodeInfo`.
+"""The metadata contract: graphamp's one record per node, ``node.meta["graphamp"]``, a :class:`NodeInfo`,
+and its one record per graph or converted module, ``gm.meta["graphamp"]``, a :class:`GraphInfo`.
 
-Passes write it; reports read it (``AmpModule.cast_summary``, ``graphamp.verify``, explanations).
-No other graphamp key is written to ``node.meta``. A saved module keeps each record as a plain
-dict beside its code (``NodeInfo.to_dict``/``from_dict``), so the class itself is never pickled.
+Passes write them; reports read them (``AmpModule.cast_summary``, ``graphamp.verify``, explanations).
+No other graphamp key is written to ``node.meta`` or ``gm.meta``. A saved module keeps each record
+as a plain dict (``NodeInfo.to_dict``/``from_dict``, ``GraphInfo.to_dict``/``from_dict``), so the
+classes themselves are never pickled.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.fx import Node
 
-__all__ = ["AutocastFrame", "GRAPHAMP", "GradFrame", "NodeInfo", "info", "innermost_module", "peek", "region_of"]
+__all__ = [
+    "AutocastFrame", "GRAPHAMP", "GradFrame", "GraphInfo", "NodeInfo", "graph_info", "info", "innermost_module", "peek",
+    "peek_graph_info", "region_of",
+]
 
 GRAPHAMP = "graphamp"
 
@@ -115,3 +120,96 @@ def innermost_module(node: Node | None) -> tuple[str, Any] | None:
     """
     stack = node.meta.get("nn_module_stack") if node is not None else None
     return next(reversed(stack.values())) if stack else None
+
+
+@dataclasses.dataclass
+class GraphInfo:
+    """What graphamp knows of a whole graph, and of the module converted from it: the capture and
+    the passes write it on the graph, emit hands it to the :class:`~graphamp.emit.AmpModule`, and
+    the module and the checks after conversion add to it. A
+    :class:`~graphamp.compiled.CompiledAmpModule` keeps one too (its ``drift`` and ``compile_s``),
+    so that every graphamp record on a module is read the same way.
+
+    >>> from torch.fx import GraphModule
+    >>> gm = GraphModule(torch.nn.Module(), torch.fx.Graph())
+    >>> assert peek_graph_info(gm) is None
+    >>> graph_info(gm).captured_static = True
+    >>> assert GraphInfo.from_dict(peek_graph_info(gm).to_dict()) == peek_graph_info(gm)
+    >>> assert GraphInfo.from_dict({}, {"graphamp_captured_static": True}).captured_static  # a file's old key
+    """
+
+    # capture: every size was captured static (the model's code could not take symbolic sizes);
+    # the module converts again for other shapes.
+    captured_static: bool = False
+    # capture: export's ranges of the symbolic sizes (symbol -> ValueRanges), each range's reason,
+    # and the model's conditions on sizes that no range expresses: the module's input guard.
+    ranges: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    range_reasons: dict[Any, Any] | None = None
+    size_conditions: list[Any] = dataclasses.field(default_factory=list)
+    # capture.values: (buffer paths, random draws?) a graph changes before a guard that may refuse
+    # the call, which the module puts back when it does (runtime.restored_on_refusal).
+    restore_on_refusal: tuple[list[str], bool] | None = None
+    # The pipeline (or the backend's observation): what eager did at each SDPA call on the example,
+    # in call order (probe.SdpaCall), for follow_eager_attention.
+    eager_sdpa: list[Any] | None = None
+    # fuse_encoder_layers: eager's program for this graph differs without grad, so the module
+    # converts again for calls without grad.
+    fused_without_grad: bool = False
+    # freeze_weights: parameter path -> weak reference to the model's parameter a frozen buffer was
+    # cast from (emit moves them onto the module, for AmpModule.refresh; never saved).
+    frozen: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The autotune pass and the checks after it: the plan (graphamp.AutotunePlan) it converted with.
+    plan: Any = None
+    # convert's self-check: what it compared and found (graphamp.conversion_info.SelfCheck).
+    self_check: Any = None
+    # integrations.fsdp: the paths of the units converted on their own (None: not unit by unit).
+    fsdp_units: list[str] | None = None
+    # CompiledAmpModule: seconds inductor took on the example, and the drift measured against
+    # eager autocast (graphamp.compiled.Drift).
+    compile_s: float | None = None
+    drift: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """What a saved module keeps: the non-default fields the module reads after conversion, as
+        plain data (the self-check as a dict of its fields; the plan is the public AutotunePlan)."""
+        default = GraphInfo()
+        saved = {name: getattr(self, name) for name in _SAVED_FIELDS if getattr(self, name) != getattr(default, name)}
+        if dataclasses.is_dataclass(saved.get("self_check")):
+            saved["self_check"] = dataclasses.asdict(saved["self_check"])
+        return saved
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any], old_meta: dict[str, Any] | None = None) -> GraphInfo:
+        """A record from :meth:`to_dict`; ``old_meta`` is the module meta of a file saved before
+        this class, whose keys (``OLD_META_KEYS``) are read as their fields."""
+        fields = {**{field: old_meta[key] for key, field in OLD_META_KEYS.items() if key in (old_meta or {})}, **fields}
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in fields.items() if k in known})
+
+
+# What a saved module keeps of its GraphInfo; the rest is compile-time only.
+_SAVED_FIELDS = ("captured_static", "restore_on_refusal", "fused_without_grad", "plan", "self_check", "fsdp_units")
+
+# The gm.meta keys of the record's fields before GraphInfo held them: files saved then carry them.
+OLD_META_KEYS = {
+    "graphamp_captured_static": "captured_static",
+    "graphamp_restore_on_refusal": "restore_on_refusal",
+    "graphamp.fused_without_grad": "fused_without_grad",
+    "graphamp_autotune_plan": "plan",
+    "graphamp.self_check": "self_check",
+    "graphamp.fsdp": "fsdp_units",
+}
+
+
+def graph_info(module: Any) -> GraphInfo:
+    """The record of a graph module (or of a module with a ``meta`` dict), created empty on first use."""
+    record = module.meta.get(GRAPHAMP)
+    if record is None:
+        record = module.meta[GRAPHAMP] = GraphInfo()
+    return record
+
+
+def peek_graph_info(module: Any) -> GraphInfo | None:
+    """The module's record, or None if nothing wrote one or it has no ``meta`` (nothing is created)."""
+    meta = getattr(module, "meta", None)
+    return meta.get(GRAPHAMP) if isinstance(meta, dict) else None

@@ -31,13 +31,14 @@ from graphamp.autotune.accuracy import no_less_accurate
 from graphamp.capture import capture
 from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.capture.values import capture_by_values, guard_eager_reads
-from graphamp.emit import ALL_ONES_AS_NONE, ALL_ONES_PROVEN, SELF_CHECK_META, AmpModule, all_ones_key, emit, is_all_ones
+from graphamp.emit import ALL_ONES_AS_NONE, ALL_ONES_PROVEN, AmpModule, all_ones_key, emit, is_all_ones
 from graphamp.errors import CaptureError, EagerPathWarning, PolicyDriftError
 from graphamp.passes import build_pipeline, run_passes
 from graphamp.autotune.measure import checks_accuracy
 from graphamp.passes.export_guards import guards_as_asserts
-from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
+from graphamp.passes.follow_eager_attention import SDPA, repeated_heads
 from graphamp.autotune.plan import AutotunePlan
+from graphamp.node_info import graph_info
 from graphamp.probe import eager_sdpa_calls
 from graphamp.self_check import applies, check_against_eager, checker_for
 from graphamp.shared_state import capture_lock
@@ -50,13 +51,13 @@ __all__ = ["build", "exact_again", "reconvert", "replay", "rewrite", "self_check
 
 
 def observe_eager(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype) -> None:
-    """Record in ``gm.meta`` what eager did where the traced graph may hold another program.
+    """Record in the graph's GraphInfo what eager did where the traced graph may hold another program.
 
     Only attention whose key/value heads the traced code repeats needs it (see
     passes/follow_eager_attention.py); other models pay nothing.
     """
     if any(repeated_heads(n.args[1]) for n in gm.graph.find_nodes(op="call_function", target=SDPA)):
-        gm.meta[EAGER_SDPA] = eager_sdpa_calls(model, args, kwargs, device_type=device_type, dtype=dtype)
+        graph_info(gm).eager_sdpa = eager_sdpa_calls(model, args, kwargs, device_type=device_type, dtype=dtype)
 
 
 @source_lines_read_lazily()
@@ -125,13 +126,13 @@ def exact_again(
             )
         return amp
     if first is not None and drift.undiagnosed:
-        first.meta[SELF_CHECK_META] = self_checked(first, model, args, kwargs, spec, on_drift="raise")
+        graph_info(first).self_check = self_checked(first, model, args, kwargs, spec, on_drift="raise")
         return first  # the difference did not show again (it raises, as a rule)
     raise drift
 
 
 def checked_again(amp: AmpModule, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> AmpModule:
-    amp.meta[SELF_CHECK_META] = self_checked(amp, model, args, kwargs, spec, on_drift="raise", diagnose=False)
+    graph_info(amp).self_check = self_checked(amp, model, args, kwargs, spec, on_drift="raise", diagnose=False)
     return amp
 
 
@@ -161,7 +162,7 @@ def all_ones_masks_dropped(model: nn.Module, args: tuple, kwargs: dict, spec: Am
     # What the self-check below proves, for these masks' shapes only (emit.AmpModule._all_ones_dropped).
     amp.__dict__[ALL_ONES_PROVEN] = {all_ones_key(kwargs, names, model.training): True}
     try:
-        amp.meta[SELF_CHECK_META] = self_checked(amp, model, args, kwargs, spec, on_drift="raise", diagnose=False)
+        graph_info(amp).self_check = self_checked(amp, model, args, kwargs, spec, on_drift="raise", diagnose=False)
     except PolicyDriftError:
         raise drift from None
     _log.info("graphamp: %s drops an all-ones %s by value; converted without it", type(model).__name__, ", ".join(names))
@@ -205,19 +206,18 @@ def rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check
 def reconvert(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, checked: Any) -> AmpModule:
     """``model`` converted again with ``spec`` (another training mode, grad mode, shape class or
     input structure, for an :class:`AmpModule` that met such a call), checked as the first
-    conversion was: ``checked`` is its self-check record (None: it was not checked; a loaded
-    module's is a plain dict). A difference the first conversion warned about warns again; else it
+    conversion was: ``checked`` is its self-check record (None: it was not checked). A difference the first conversion warned about warns again; else it
     raises, after the fallbacks convert tries (all-ones masks as None, the capture on values).
 
     The module calls this through the engine it was emitted with (``AmpModule._engine``)."""
     variant = build(model, args, kwargs, spec)
     if checked is None or not applies(spec, model, args, kwargs):
         return variant
-    ok = checked["ok"] if isinstance(checked, dict) else checked.ok
+    ok = checked.ok
     # A graph for calls without grad is checked as an inference conversion is: forward only, under no_grad.
     check_spec = dataclasses.replace(spec, inference=True) if spec.grad_free else spec
     try:
-        variant.meta[SELF_CHECK_META] = checker_for(variant)(
+        graph_info(variant).self_check = checker_for(variant)(
             variant, model, args, kwargs, check_spec, on_drift="raise" if ok else "warn"
         )
     except PolicyDriftError as drift:

@@ -308,11 +308,6 @@ class FrozenDict(dict):
         return hash(tuple(sorted(self.items(), key=repr)))
 
 
-# AmpModule.meta key: (buffer paths, random draws?) a graph changes before a guard that may refuse
-# the call, which the module puts back when it does (graphamp.capture.values).
-RESTORE_ON_REFUSAL = "graphamp_restore_on_refusal"
-
-
 @contextlib.contextmanager
 def restored_on_refusal(root: nn.Module, buffers: Sequence[str], rng: bool) -> Iterator[None]:
     """Run a graph whose guards may refuse the call after it changed state: on
@@ -411,8 +406,13 @@ def rebuild_amp_module(body: dict[str, Any], import_block: str) -> nn.Module:
     # The model it was converted from (saved since it converts again for other shapes) stays out of
     # the module's submodules, as before saving.
     model = body.pop(runtime_saved.MODEL, None)
+    # FX's loader keeps the new module's empty meta: graphamp's record (the self-check, what a
+    # refused call puts back, ...) is put back here, read by the AmpModule of this version.
+    meta = body.pop("meta", None)
     forward = _forward_from_src(import_block + (body.get("_code") or body["code"]), {})
     amp = _deserialize_graph_module(forward, body, graph_module_cls=graphamp.AmpModule)
+    if meta:
+        amp.meta.update(graphamp.AmpModule.meta_from_saved(meta))
     if model is not None:
         amp._graphamp_bind(model)
     if record is not None:

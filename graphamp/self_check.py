@@ -23,7 +23,7 @@ from torch import nn
 
 from graphamp.emit import SelfCheck
 from graphamp.errors import PolicyDriftError, PolicyDriftWarning
-from graphamp.node_info import innermost_module
+from graphamp.node_info import GraphInfo, innermost_module, peek_graph_info
 from graphamp.eager import Outcome, autocast_call, difference, equal, fp32_interface, holds_values, outcome, same_start
 from graphamp.spec import AmpSpec
 from graphamp.backend.fallback import DynamoAmpModule
@@ -60,7 +60,7 @@ def applies(spec: AmpSpec, model: nn.Module, args: tuple, kwargs: dict) -> bool:
 def checker_for(amp: nn.Module) -> Callable[..., SelfCheck]:
     """:func:`check_against_eager`, or, for a module converted unit by unit on an FSDP2 model,
     :func:`graphamp.integrations.fsdp.self_check` (backward through FSDP, gradient shards compared)."""
-    if "graphamp.fsdp" in getattr(amp, "meta", {}):
+    if (peek_graph_info(amp) or GraphInfo()).fsdp_units is not None:
         return self_check
     return check_against_eager
 

@@ -31,11 +31,11 @@ from torch.utils import _pytree as pytree
 
 from graphamp.config import Config
 from graphamp.pipeline import build
-from graphamp.emit import SELF_CHECK_META, AmpModule
+from graphamp.emit import AmpModule
 from graphamp.errors import InputMismatchError
-from graphamp.autotune.plan import PLAN_META
 from graphamp.probe import attribute_bound
 from graphamp.eager import state_restored
+from graphamp.node_info import GraphInfo, graph_info, peek_graph_info
 from graphamp.runtime import grad_casts_kept
 from graphamp.self_check import applies, check_against_eager, check_self_check
 from graphamp.spec import AmpSpec, autocast_off, check_device
@@ -395,9 +395,9 @@ class TrainStep:
         if self.on_drift != "off" and applies(self.spec, wrapper, inputs, {}):
             # A model with FSDP2 units is converted unit by unit, and checked with FSDP's hooks.
 
-            check = fsdp.self_check if fsdp.FSDP_META in amp.meta else check_against_eager
-            amp.meta[SELF_CHECK_META] = check(amp, wrapper, inputs, {}, self.spec, on_drift=self.on_drift)
-        if self.compile and self.spec.mode == "autotune" and self.spec.config.plan is None and PLAN_META in amp.meta:
+            check = fsdp.self_check if graph_info(amp).fsdp_units is not None else check_against_eager
+            graph_info(amp).self_check = check(amp, wrapper, inputs, {}, self.spec, on_drift=self.on_drift)
+        if self.compile and self.spec.mode == "autotune" and self.spec.config.plan is None and graph_info(amp).plan is not None:
             self._compiled = fastest_compiled(amp, wrapper, inputs, {}, self.spec, compile_fn=_compiled_for_training_now)
             amp = getattr(self._compiled, "amp", self._compiled)
         return amp
@@ -425,7 +425,7 @@ class TrainStep:
         (``runtime.grad_casts_kept``): the same values and gradients as eager's recasts. Not for the
         compiled step (inductor fuses the casts) nor FSDP2 units (which refill gathered parameters
         in place each forward)."""
-        if self.accumulate == 1 or self.compile or fsdp.FSDP_META in self.module.meta:
+        if self.accumulate == 1 or self.compile or (peek_graph_info(self.module) or GraphInfo()).fsdp_units is not None:
             return contextlib.nullcontext()
         return grad_casts_kept(self._window_casts)
 

@@ -18,7 +18,7 @@ import graphamp
 from graphamp import Config
 from graphamp.backend.options import BackendOptions
 from graphamp.errors import OptionError
-from graphamp.emit import SELF_CHECK_META
+from graphamp.node_info import graph_info
 from graphamp.verify.reference import count_casts, trace
 from helpers import TransposedProjection, float_leaves
 
@@ -129,7 +129,7 @@ def _albert() -> tuple[nn.Module, dict]:
 def test_albert_shared_layers_bitwise_to_uncached_autocast(dtype: torch.dtype) -> None:
     model, kwargs = _albert()
     amp = graphamp.convert(model, (), kwargs, dtype=dtype, config=Config(cache_enabled=False))
-    assert amp.meta[SELF_CHECK_META].ok and amp.meta[SELF_CHECK_META].grads  # its self-check ran uncached
+    assert graph_info(amp).self_check.ok and graph_info(amp).self_check.grads  # its self-check ran uncached
     got = _grads(lambda: amp(**kwargs), model)
     assert _same(got, _eager(model, (), kwargs, dtype, False))
     assert not _same(got, _eager(model, (), kwargs, dtype, True))

@@ -50,7 +50,7 @@ def _variants(amp):
 def test_symbolic_sizes_that_fail_are_captured_static_and_exact():
     model, x = SymBoolCausal(), torch.randn(2, 5, 8)
     amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)
-    assert amp.meta["graphamp_captured_static"]
+    assert amp.meta["graphamp"].captured_static
     assert_exact(model, amp, (x,), {}, torch.bfloat16)
 
 
@@ -65,7 +65,7 @@ def test_other_shapes_convert_again_once_each_and_share_the_parameters(caplog):
     assert "input class 1 of at most 8" in caplog.records[0].getMessage()
     for variant in _variants(amp):
         assert variant.get_parameter("qkv.weight") is model.qkv.weight
-        assert variant.meta["graphamp.self_check"].ok  # checked against eager on the call's inputs, as convert checks
+        assert variant.meta["graphamp"].self_check.ok  # checked against eager on the call's inputs, as convert checks
     assert list(amp.state_dict()) == list(model.state_dict())  # the variants are not submodules
 
 
@@ -239,7 +239,7 @@ def test_detr_converts_static_and_takes_other_shapes():
     model = transformers.DetrModel(config).eval()
     x = torch.randn(2, 3, 32, 32)
     amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)
-    assert amp.meta["graphamp_captured_static"]
+    assert amp.meta["graphamp"].captured_static
     assert_exact(model, amp, (x,), {}, torch.bfloat16)
     assert_exact(model, amp, (torch.randn(1, 3, 32, 48),), {}, torch.bfloat16)
 

@@ -203,14 +203,14 @@ class ReadsAfterChanges(nn.Module):
 
 
 def test_a_refused_call_puts_back_what_the_graph_changed_before_its_guard() -> None:
-    from graphamp.runtime import RESTORE_ON_REFUSAL
+    from graphamp.node_info import graph_info
 
     model = ReadsAfterChanges().train()
     twin = ReadsAfterChanges().train()
     twin.load_state_dict(model.state_dict())
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
     amp = _by_values(model, (x,))
-    buffers, rng = amp.meta[RESTORE_ON_REFUSAL]
+    buffers, rng = graph_info(amp).restore_on_refusal
     assert rng and set(buffers) >= {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
     for seed in range(6):
         torch.manual_seed(seed)

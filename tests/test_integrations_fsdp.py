@@ -143,8 +143,8 @@ def _scenario_llama_trainstep(rank: int) -> dict:
     step = graphamp.TrainStep(ours, _lm_loss, _adamw(ours), dtype=torch.bfloat16, max_grad_norm=1.0)  # self_check="raise"
     got = [step(*args, target=target, **kwargs) for args, kwargs, target in batches]
     result = _compare(eager, ours, initial, want, got, {
-        "self_check": step.module.meta["graphamp.self_check"].ok,
-        "units": step.module.meta["graphamp.fsdp"],
+        "self_check": step.module.meta["graphamp"].self_check.ok,
+        "units": step.module.meta["graphamp"].fsdp_units,
         "code": step.module.code,
     })
     # Other sizes, on every rank at once: run as eager does, or refused with a typed error (a unit
@@ -179,12 +179,12 @@ def _scenario_mlp_convert(rank: int) -> dict:
     (x0,), _, _ = batches[0]
     # convert's default self-check on a sharded model is FSDP's (backward through FSDP, shards compared).
     amp = graphamp.convert(ours, (x0,), dtype=torch.bfloat16)
-    check = amp.meta["graphamp.self_check"]
+    check = amp.meta["graphamp"].self_check
     # The same loop: the loss outside the graph runs under autocast, as eager's; amp switches it off inside.
     got = _eager_loop(amp, our_opt, F.mse_loss, batches, clip=None)
     result = _compare(eager, ours, initial, want, got, {
         "self_check": check.ok,
-        "units": amp.meta["graphamp.fsdp"],
+        "units": amp.meta["graphamp"].fsdp_units,
         "amp_params_are_model_params": [id(p) for p in amp.parameters()] == [id(p) for p in ours.parameters()],
         "not_stale": fsdp.sharded_after_conversion(amp) is None,
     })
@@ -523,5 +523,5 @@ def test_plain_models_are_not_sharded():
     model = _MLP()
     assert not fsdp.is_sharded(model)
     amp = graphamp.convert(model, (torch.randn(4, 8),), dtype=torch.bfloat16, self_check="off")
-    assert fsdp.FSDP_META not in amp.meta
+    assert amp.meta["graphamp"].fsdp_units is None
     assert fsdp.sharded_after_conversion(amp) is None

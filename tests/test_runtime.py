@@ -3,6 +3,7 @@ files saved in the committed format still load and run bitwise equal to eager au
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import pickletools
@@ -137,6 +138,27 @@ def test_saved_module_round_trips_with_every_runtime_call():
     out.float().sum().backward()
     assert loaded.get_parameter("frozen.weight").grad is None
     assert loaded.get_parameter("head.weight").grad is not None
+
+
+def test_saved_module_keeps_its_graph_record():
+    # The module's GraphInfo travels as a plain dict (the saved file names no compile-time class:
+    # see above) and is a GraphInfo again once loaded, with the self-check convert ran.
+    amp = _converted(inference=False)
+    loaded = torch.load(io.BytesIO(_saved(amp)), weights_only=False)
+    assert loaded.meta["graphamp"].self_check == amp.meta["graphamp"].self_check
+    assert loaded.meta["graphamp"].self_check.ok
+
+
+def test_module_saved_with_the_old_meta_keys_loads_them_into_its_record():
+    # Files saved before GraphInfo kept each field under a key of its own (the self-check as a dict).
+    amp = _converted(inference=False)
+    rebuild, (body, import_block) = amp.__reduce__()
+    check = amp.meta["graphamp"].self_check
+    body["meta"] = {
+        "graphamp.self_check": dataclasses.asdict(check), "graphamp_captured_static": True, "graphamp.fsdp": ["model"],
+    }
+    record = rebuild(body, import_block).meta["graphamp"]
+    assert record.self_check == check and record.captured_static and record.fsdp_units == ["model"]
 
 
 def test_saved_config_overrides_name_only_the_top_level():

@@ -12,7 +12,7 @@ from torch import nn
 
 import graphamp
 from graphamp.config import Config
-from graphamp.emit import SELF_CHECK_META
+from graphamp.node_info import graph_info
 from helpers import TransposedProjection
 
 # graphamp.convert is the function; the module is graphamp's conversion core.
@@ -42,12 +42,12 @@ def _x() -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_exact_conversion_records_a_passing_check_with_gradients(dtype: torch.dtype) -> None:
     amp = graphamp.convert(Block(), (_x(),), dtype=dtype)
-    check = amp.meta[SELF_CHECK_META]
+    check = graph_info(amp).self_check
     assert check.ok and check.grads and check.problem == "" and check.seconds > 0
 
 
 def test_inference_checks_values_only() -> None:
-    check = graphamp.convert(Block(), (_x(),), inference=True).meta[SELF_CHECK_META]
+    check = graph_info(graphamp.convert(Block(), (_x(),), inference=True)).self_check
     assert check.ok and not check.grads
 
 
@@ -128,7 +128,7 @@ def test_warn_returns_the_module_and_records_the_problem(monkeypatch: pytest.Mon
     _with_wrong_policy(monkeypatch, {"exp": "lower_precision_fp"})
     with pytest.warns(graphamp.PolicyDriftWarning, match=r"differs from eager"):
         amp = graphamp.convert(_sandwich(), (_x(),), self_check="warn")
-    check = amp.meta[SELF_CHECK_META]
+    check = graph_info(amp).self_check
     assert not check.ok and "output" in check.problem
 
 
@@ -137,12 +137,12 @@ def test_off_skips_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", graphamp.PolicyDriftWarning)
         amp = graphamp.convert(Block(), (_x(),), dtype=torch.bfloat16, self_check="off")
-    assert SELF_CHECK_META not in amp.meta
+    assert graph_info(amp).self_check is None
 
 
 def test_modes_and_policies_that_do_not_promise_equality_are_not_checked() -> None:
     cfg = Config(op_overrides={"layer_norm": "lower_precision_fp"})
-    assert SELF_CHECK_META not in graphamp.convert(Block(), (_x(),), config=cfg).meta
+    assert graph_info(graphamp.convert(Block(), (_x(),), config=cfg)).self_check is None
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, "strict"])
@@ -153,14 +153,14 @@ def test_a_bad_self_check_value_is_a_value_error(bad: object) -> None:
 
 def test_keep_io_types_compares_fp32_outputs_with_eagers_values() -> None:
     amp = graphamp.convert(nn.Sequential(nn.Linear(8, 8)), (_x(),), keep_io_types=True)
-    assert amp.meta[SELF_CHECK_META].ok and amp(_x()).dtype == torch.float32
+    assert graph_info(amp).self_check.ok and amp(_x()).dtype == torch.float32
 
 
 def test_trainstep_checks_its_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
     model = Block()
     step = graphamp.TrainStep(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
     step(_x(), target=torch.zeros(4, 8))
-    assert step.module.meta[SELF_CHECK_META].ok and step.module.meta[SELF_CHECK_META].grads
+    assert graph_info(step.module).self_check.ok and graph_info(step.module).self_check.grads
 
     train_module = sys.modules["graphamp.train"]
     real = train_module.build
@@ -192,7 +192,7 @@ def test_a_difference_only_under_no_grad_warns(monkeypatch: pytest.MonkeyPatch) 
     x = torch.randn(2, 64, 16, 16, generator=torch.Generator().manual_seed(0))
     with pytest.warns(graphamp.PolicyDriftWarning, match=r"(?s)under torch.no_grad, output differs.*inference=True"):
         amp = graphamp.convert(TransposedProjection().eval(), (x,), dtype=torch.float16)
-    assert not amp.meta[SELF_CHECK_META].ok
+    assert not graph_info(amp).self_check.ok
 
 
 def test_a_program_that_differs_only_without_grad_is_said_with_the_way_out() -> None:
@@ -220,7 +220,7 @@ def test_an_eval_encoder_is_exact_with_and_without_grad() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", graphamp.PolicyDriftWarning)
         amp = graphamp.convert(model, (x,))
-    assert amp.meta[SELF_CHECK_META].ok
+    assert graph_info(amp).self_check.ok
 
 
 def test_outputs_of_a_type_without_key_paths_are_compared() -> None:
@@ -243,6 +243,6 @@ def test_outputs_of_a_type_without_key_paths_are_compared() -> None:
         with pytest.raises(ValueError, match="flatten_with_keys_fn"):
             torch.utils._pytree.tree_leaves_with_path(Out(_x()))
         amp = graphamp.convert(Model(), (_x(),))
-        assert amp.meta[SELF_CHECK_META].ok and isinstance(amp(_x()), Out)
+        assert graph_info(amp).self_check.ok and isinstance(amp(_x()), Out)
     finally:
         torch.utils._pytree._deregister_pytree_node(Out)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from graphamp.eager import rng_kept
-from graphamp.autotune.plan import PLAN_META
+from graphamp.node_info import GraphInfo, graph_info, peek_graph_info
 from graphamp.autotune.plan import AutotunePlan
 from graphamp.policy import short_dtype
 from graphamp.eager import state_restored
@@ -43,7 +43,7 @@ def no_less_accurate(
     (or a scalar loss, all a ``TrainStep``'s graph returns) can come out a little above autocast's by
     chance, and the whole plan would be undone for it.
     """
-    plan = amp.meta.get(PLAN_META)
+    plan = (peek_graph_info(amp) or GraphInfo()).plan
     if plan is None or not plan.raised:
         return amp
     start = time.perf_counter()
@@ -53,10 +53,10 @@ def no_less_accurate(
         over = "outputs and gradients" if checked_params(model, spec) else "outputs"
         errors = f"relative RMS error vs fp32 on the example ({over}) {err_tuned:.3g}, eager autocast's {err_low:.3g}"
         if err_tuned <= err_low:
-            amp.meta[PLAN_META] = dataclasses.replace(plan, accuracy=errors, check_s=time.perf_counter() - start)
+            graph_info(amp).plan = dataclasses.replace(plan, accuracy=errors, check_s=time.perf_counter() - start)
             return amp
     except Exception as e:  # the check is advisory: a model that cannot run eagerly keeps its plan
-        amp.meta[PLAN_META] = dataclasses.replace(
+        graph_info(amp).plan = dataclasses.replace(
             plan, accuracy=f"error not checked ({type(e).__name__}: {str(e)[:120]})", check_s=time.perf_counter() - start
         )
         return amp
@@ -69,7 +69,7 @@ def no_less_accurate(
             err_all = math.inf
         if err_all <= err_low:
             low_ms, fp32_ms = _summed_ms(plan)
-            raised.meta[PLAN_META] = dataclasses.replace(everything, check_s=time.perf_counter() - start, accuracy=(
+            graph_info(raised).plan = dataclasses.replace(everything, check_s=time.perf_counter() - start, accuracy=(
                 f"every op raised instead: with {len(plan.raised)} op(s) raised, {errors}; with every op raised "
                 f"(measured {fp32_ms:.3g} ms in fp32 against {low_ms:.3g} ms in {short_dtype(spec.dtype)}) {err_all:.3g}"
             ))
@@ -78,7 +78,7 @@ def no_less_accurate(
         f"raises undone: with {len(plan.raised)} op(s) raised, {errors}"
     ))
     again = replay(model, args, kwargs, spec, undone)
-    again.meta[PLAN_META] = dataclasses.replace(undone, check_s=time.perf_counter() - start)
+    graph_info(again).plan = dataclasses.replace(undone, check_s=time.perf_counter() - start)
     return again
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils import benchmark
 
 from graphamp.emit import AmpModule
-from graphamp.autotune.plan import PLAN_META
+from graphamp.node_info import graph_info
 from graphamp.autotune.plan import AutotunePlan
 from graphamp.policy import short_dtype
 from graphamp.spec import AmpSpec
@@ -81,7 +81,7 @@ def fastest_compiled(
     ``compile_fn(program, model, args, kwargs)`` compiles one (default: ``convert(compile=True)``'s)."""
     compile_fn = compile_fn or compile_converted
 
-    plan = amp.meta[PLAN_META]
+    plan = graph_info(amp).plan
     programs: dict[str, AmpModule] = {}
     notes = []
     candidates = candidate_plans(plan, spec.dtype)
@@ -91,7 +91,7 @@ def fastest_compiled(
         except Exception as e:  # noqa: BLE001 (a candidate is optional)
             notes.append(f"{name}: not converted ({type(e).__name__})")
     if "autocast's dtypes" in programs:  # autocast's accuracy by definition
-        programs["autocast's dtypes"].meta[PLAN_META] = dataclasses.replace(
+        graph_info(programs["autocast's dtypes"]).plan = dataclasses.replace(
             candidates["autocast's dtypes"], accuracy="autocast's dtypes: eager autocast's accuracy"
         )
     if "every op raised" in programs:
@@ -101,7 +101,7 @@ def fastest_compiled(
             errors = {"every op raised": math.inf, "autocast": 0.0}
             notes.append(f"every op raised: error not checked ({type(e).__name__})")
         if errors["every op raised"] <= errors["autocast"]:
-            programs["every op raised"].meta[PLAN_META] = dataclasses.replace(candidates["every op raised"], accuracy=(
+            graph_info(programs["every op raised"]).plan = dataclasses.replace(candidates["every op raised"], accuracy=(
                 f"every op raised: relative RMS error vs fp32 on the example {errors['every op raised']:.3g}, "
                 f"eager autocast's {errors['autocast']:.3g}"
             ))
@@ -189,7 +189,7 @@ def _chosen(cm: nn.Module, caught: list[warnings.WarningMessage], name: str, sam
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     amp = getattr(cm, "amp", cm)
-    plan = amp.meta[PLAN_META]
+    plan = graph_info(amp).plan
     ratios = ratios_to_plan(samples) if samples else {}
     timed = ", ".join(
         f"{n} {statistics.median(ms):.3g} ms" + (f" ({ratios[n]:.2f}x)" if n != "plan" else "") for n, ms in samples.items()
@@ -201,5 +201,5 @@ def _chosen(cm: nn.Module, caught: list[warnings.WarningMessage], name: str, sam
         raised = sum(d is torch.float32 for d in plan.decisions.values())
         rest = f", the rest in {short_dtype(spec.dtype)}" if raised < len(plan.decisions) else ""
         line += f"; {raised} of {len(plan.decisions)} ops in fp32{rest}"
-    amp.meta[PLAN_META] = dataclasses.replace(plan, compiled=line)
+    graph_info(amp).plan = dataclasses.replace(plan, compiled=line)
     return cm

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from graphamp.errors import PlanMismatchError
+from graphamp.node_info import GraphInfo, peek_graph_info
 from graphamp.runtime import FrozenDict
 
-__all__ = ["PLAN_META", "AutotunePlan", "PlanMismatchError", "fingerprint"]
+__all__ = ["AutotunePlan", "PlanMismatchError", "fingerprint"]
 
-PLAN_META = "graphamp_autotune_plan"  # gm.meta key (the module's, not a node's) holding the plan
 _VERSION = 1
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -106,7 +106,7 @@ class AutotunePlan:
     @classmethod
     def of(cls, amp: torch.nn.Module) -> AutotunePlan:
         """The plan an ``mode="autotune"`` conversion made (``amp`` is its AmpModule)."""
-        plan = getattr(amp, "meta", {}).get("graphamp_autotune_plan")
+        plan = (peek_graph_info(amp) or GraphInfo()).plan
         if plan is None:
             raise ValueError(
                 "this module has no autotune plan: it was not converted with mode='autotune'. Way out: "

@@ -33,7 +33,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from graphamp.eager import state_restored
-from graphamp.passes.follow_eager_attention import EAGER_SDPA, SDPA, repeated_heads
+from graphamp.node_info import graph_info
+from graphamp.passes.follow_eager_attention import SDPA, repeated_heads
 from graphamp.probe import SdpaCall, eager_sdpa_calls
 from graphamp.spec import ambient_autocast, autocast_off
 
@@ -225,7 +226,7 @@ def eager_frame_sdpa_calls(frame: Frame, *, device_type: str, dtype: torch.dtype
 def observe_eager_frame(
     gm: GraphModule, *, device_type: str, dtype: torch.dtype, frame: Frame | None, calls: list[SdpaCall] | None = None,
 ) -> None:
-    """Record in ``gm.meta`` eager's SDPA calls for the graph's own, where the graph repeats
+    """Record in the graph's GraphInfo eager's SDPA calls for the graph's own, where the graph repeats
     key/value heads (the program choice :mod:`graphamp.passes.follow_eager_attention` follows);
     ``calls``: the frame's eager calls, already observed (the frame is then not run again).
 
@@ -238,7 +239,7 @@ def observe_eager_frame(
     if calls is None:
         calls = eager_frame_sdpa_calls(frame, device_type=device_type, dtype=dtype)
     if calls is not None and len(calls) >= len(nodes):
-        gm.meta[EAGER_SDPA] = calls[: len(nodes)]
+        graph_info(gm).eager_sdpa = calls[: len(nodes)]
 
 
 class DtypeCall(NamedTuple):

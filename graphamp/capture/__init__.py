@@ -36,12 +36,13 @@ from graphamp.shared_state import capture_lock
 from graphamp.capture.export import _describe, dynamic_shapes, _export, _is_retryable, _model_conditions, _model_ranges, _unregistered_output
 from graphamp.capture.functions import _bind_kept_functions
 from graphamp.capture.torchscript import script_graph
+from graphamp.node_info import graph_info
 from graphamp.errors import BannedOpError, CaptureError, EagerPathWarning, GraphampError, PromoteTypeError
 from graphamp.spec import ambient_autocast
 
 _log = logging.getLogger("graphamp")
 
-__all__ = ["CAPTURED_STATIC", "SIZE_CONDITIONS", "capture", "ambient_autocast", "script_graph"]
+__all__ = ["capture", "ambient_autocast", "script_graph"]
 
 
 def capture(
@@ -60,7 +61,7 @@ def capture(
     Parameters and buffers are attributes of the returned module (the model's own objects),
     inputs and outputs keep their pytree structure, and every dim is symbolic where the model's
     code allows it; where it cannot take symbolic sizes at all, every dim is the example's
-    (``gm.meta[CAPTURED_STATIC]``), and the converted module converts again per shape class.
+    (``GraphInfo.captured_static``), and the converted module converts again per shape class.
     A model holding a ``torch.jit.ScriptModule`` is first traced to a plain graph (``script_graph``).
     """
     if any(isinstance(m, torch.jit.ScriptModule) for m in model.modules()):
@@ -102,9 +103,10 @@ def capture(
     # check_guards=False installs input checks as a forward pre-hook; graphamp emits its own.
     gm._forward_pre_hooks.clear()
     gm._forward_pre_hooks_with_kwargs.clear()
-    gm.meta["range_constraints"], gm.meta["range_reasons"] = _model_ranges(ep)
-    gm.meta[CAPTURED_STATIC] = static
-    gm.meta[SIZE_CONDITIONS] = _model_conditions(ep)
+    record = graph_info(gm)
+    record.ranges, record.range_reasons = _model_ranges(ep)
+    record.captured_static = static
+    record.size_conditions = _model_conditions(ep)
     if keeper.kept:
         _bind_kept_functions(gm, keeper.kept)
     return gm
@@ -125,12 +127,6 @@ def _cache_pytrees_registered(model: nn.Module, e: BaseException) -> bool:
     _log.info("graphamp: registered transformers' cache classes as pytree nodes, to return %s", qualified)
     return True
 
-
-# gm.meta key: True when the graph was captured with every size static (the model's code could not
-# take symbolic sizes); its module converts again for other shapes.
-CAPTURED_STATIC = "graphamp_captured_static"
-# gm.meta key: the model's conditions on sizes that no range expresses, for the module's input guard.
-SIZE_CONDITIONS = "graphamp_size_conditions"
 
 
 def _export_first_that_works(

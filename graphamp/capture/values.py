@@ -13,7 +13,7 @@ as it runs, what it follows:
   what it gave on the example (:func:`graphamp.runtime.guard_value`);
 * each op whose output size depends on values (``nonzero``, ``masked_select``) gives the example's
   size (:func:`graphamp.runtime.guard_size`);
-* every input size is the example's (the graph is static, ``CAPTURED_STATIC``).
+* every input size is the example's (the graph is static, ``GraphInfo.captured_static``).
 
 A failed check raises :class:`graphamp.InputValueError` (or a shape error), and the converted module
 converts again for those inputs, as for any other shape class. A check that would fail after the
@@ -41,10 +41,9 @@ from graphamp.shared_state import capture_lock
 from graphamp.capture.functions import _FunctionKeeper
 from graphamp.eager import RngState
 from graphamp.errors import CaptureError
-from graphamp.node_info import info
-from graphamp.runtime import RESTORE_ON_REFUSAL, fill, guard_size, guard_value
+from graphamp.node_info import graph_info, info
+from graphamp.runtime import fill, guard_size, guard_value
 from graphamp.spec import ambient_autocast
-from graphamp.capture import CAPTURED_STATIC, SIZE_CONDITIONS
 from graphamp.capture.functions import _bind_kept_functions
 from graphamp.capture.value_reads import VALUE_READ, Read, ValueReads, eager_reads
 from graphamp.eager import state_restored
@@ -100,8 +99,7 @@ def capture_by_values(
     _guards_first(gm)
     _drop_dead(gm.graph)
     _one_fake_mode(gm)
-    gm.meta[CAPTURED_STATIC] = True
-    gm.meta[SIZE_CONDITIONS] = []
+    graph_info(gm).captured_static = True
     if keeper.kept:
         _bind_kept_functions(gm, keeper.kept)
     gm.recompile()
@@ -329,7 +327,7 @@ def _guards_first(gm: GraphModule) -> None:
     the first such change, so that a refused call has changed nothing. A guard whose reads change
     state themselves (DETR checks ``isfinite`` after dropout) stays; the module then saves what the
     graph changes (buffers updated in place, the random state) and puts it back when a call is
-    refused (``gm.meta[RESTORE_ON_REFUSAL]``)."""
+    refused (``GraphInfo.restore_on_refusal``)."""
     graph = gm.graph
     changes = [n for n in graph.nodes if _changes_state(n)]
     if not changes:
@@ -359,7 +357,7 @@ def _guards_first(gm: GraphModule) -> None:
             a.target for n in changes for a in n.all_input_nodes if a.op == "get_attr" and a.target in buffers
         }
         random = any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags for n in changes)
-        gm.meta[RESTORE_ON_REFUSAL] = (sorted(changed), random or any(not isinstance(n.target, torch._ops.OpOverload) for n in changes))
+        graph_info(gm).restore_on_refusal = (sorted(changed), random or any(not isinstance(n.target, torch._ops.OpOverload) for n in changes))
 
 
 def _drop_dead(graph: Graph) -> None:

@@ -37,13 +37,12 @@ from graphamp.probe import attribute_bound
 from graphamp.spec import AmpSpec
 from graphamp.eager import state_restored
 from graphamp.integrations.fsdp_self_check import self_check
-from graphamp.node_info import peek
+from graphamp.node_info import GraphInfo, graph_info, peek, peek_graph_info
 from graphamp.runtime import KeptFunction, apply_function
 from graphamp.spec import ambient_autocast
 
-__all__ = ["FSDP_META", "FsdpUnitCall", "UnitInputError", "convert_sharded", "is_sharded", "refuse_compile", "self_check", "sharded_after_conversion", "sharded_units"]
+__all__ = ["FsdpUnitCall", "UnitInputError", "convert_sharded", "is_sharded", "refuse_compile", "self_check", "sharded_after_conversion", "sharded_units"]
 
-FSDP_META = "graphamp.fsdp"  # amp.meta: the paths of the units converted on their own
 _FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard"
 # Activation checkpointing's module wrappers (checkpoint_wrapper, offload_wrapper) and the registry
 # of composable APIs (torch.distributed._composable.checkpoint): none is in use unless imported.
@@ -484,7 +483,7 @@ def convert_sharded(
         for m in modules:
             m.reshard()
     _share_sharded_parameters(top, model)
-    top.meta[FSDP_META] = [unit.path for unit in units.values()]
+    graph_info(top).fsdp_units = [unit.path for unit in units.values()]
     return top
 
 
@@ -533,7 +532,7 @@ def sharded_after_conversion(amp: nn.Module) -> str | None:
     """Why ``amp`` must not run: its model was sharded with ``fully_shard`` after ``graphamp.convert``
     converted it (the graph reads the parameters from before sharding, so it would train nothing
     and reduce no gradient); None if it may run. Cheap: no parameter is compared."""
-    if FSDP_META in getattr(amp, "meta", {}):
+    if (peek_graph_info(amp) or GraphInfo()).fsdp_units is not None:
         return None
     model = amp.__dict__.get("_graphamp_model")
     if model is None or not sharded_units(model):

@@ -52,9 +52,9 @@ from graphamp.passes.dedupe_casts import dedupe_casts
 from graphamp.passes.fold_casts import fold_casts
 from graphamp.passes.graph_edit import attr_of, cast_source, is_graphamp_cast, tensor_dtype
 from graphamp.passes.insert_casts import _cast_slots, _Rewriter
-from graphamp.node_info import info, peek
+from graphamp.node_info import graph_info, info, peek
 from graphamp.autotune.measure import SETTINGS, Timer, Trial, default_cache
-from graphamp.autotune.plan import PLAN_META, AutotunePlan, fingerprint
+from graphamp.autotune.plan import AutotunePlan, fingerprint
 from graphamp.policy import Category, op_key, short_dtype
 from graphamp.runtime import autocast_cached, autocast_op
 
@@ -417,7 +417,7 @@ def autotune(gm: GraphModule, spec: AmpSpec) -> PassResult:
         new_plan = plan
     else:
         new_plan, raised = _measure(gm, spec, candidates, model, ops)
-    gm.meta[PLAN_META] = new_plan
+    graph_info(gm).plan = new_plan
     if raised:
         reasons = {n: info(n).reason for n in raised}
         notes = {n: dict(info(n).notes) for n in raised}

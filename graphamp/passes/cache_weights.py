@@ -30,7 +30,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes.graph_edit import attr_of, is_graphamp_cast
-from graphamp.node_info import NodeInfo, peek
+from graphamp.node_info import NodeInfo, graph_info, peek
 from graphamp.policy import LOW_DTYPES
 from graphamp.runtime import WeightCache, cached_cast
 
@@ -79,7 +79,7 @@ def cache_weights(gm: GraphModule, spec: AmpSpec) -> PassResult:
 def freeze_weights(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Replace parameters used only through one low-precision cast by buffers cast once, now."""
     graph = gm.graph
-    sources: dict[str, weakref.ref] = gm.meta.setdefault("graphamp_frozen", {})
+    sources: dict[str, weakref.ref] = graph_info(gm).frozen
     modified = False
     for cast, src in _param_casts(gm):
         if len(src.users) != 1:

@@ -24,17 +24,15 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes.graph_edit import carried_meta, fake_mode_of, recompute_val, val_of
-from graphamp.node_info import info
+from graphamp.node_info import GraphInfo, info, peek_graph_info
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
 
-__all__ = ["EAGER_SDPA", "follow_eager_attention", "repeated_heads"]
+__all__ = ["follow_eager_attention", "repeated_heads"]
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
-# gm.meta key: what eager did at each SDPA call on the example, in call order (probe.SdpaCall).
-EAGER_SDPA = "graphamp_eager_sdpa"
 
 
 def repeated_heads(node: Node) -> tuple[Node, int] | None:
@@ -67,7 +65,7 @@ def _erase_if_dead(gm: GraphModule, node: Node) -> None:
 
 def follow_eager_attention(gm: GraphModule, spec: AmpSpec) -> PassResult:
     """Give each SDPA call the grouped key/value heads and ``enable_gqa`` where eager did."""
-    eager = gm.meta.get(EAGER_SDPA)
+    eager = (peek_graph_info(gm) or GraphInfo()).eager_sdpa
     nodes = list(gm.graph.find_nodes(op="call_function", target=SDPA))
     if not eager or len(eager) != len(nodes):
         return PassResult(gm, False)

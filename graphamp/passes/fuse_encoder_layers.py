@@ -32,17 +32,16 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes.graph_edit import attr_of, carried_meta, fake_mode_of, next_node, recompute_val
+from graphamp.node_info import graph_info
 from graphamp.runtime import autocast_op
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
 
-__all__ = ["FUSED_WITHOUT_GRAD", "fuse_encoder_layers"]
+__all__ = ["fuse_encoder_layers"]
 
 aten = torch.ops.aten
 FUSED = aten._transformer_encoder_layer_fwd.default
-# gm.meta: whether eager's program for this graph differs without grad (read by AmpModule).
-FUSED_WITHOUT_GRAD = "graphamp.fused_without_grad"
 MHA = aten._native_multi_head_attention.default
 _LAYER = "TransformerEncoderLayer"
 _ATTENTION = "MultiheadAttention"
@@ -195,7 +194,7 @@ def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
         fused = any(_fused_args(gm, p, n) for p, n in _regions(gm).items()) or any(
             _attention_args(gm, p, n) for p, n in _regions(gm, _ATTENTION).items()
         )
-        gm.meta[FUSED_WITHOUT_GRAD] = fused
+        graph_info(gm).fused_without_grad = fused
         return PassResult(gm, False)
     modified = False
     for path, nodes in _regions(gm).items():
