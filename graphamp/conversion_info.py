@@ -27,13 +27,25 @@ class AmpInfo:
     config: Config
     inference: bool = False
     keep_io_types: bool = False  # a default: modules saved before it was recorded load with it
-    grad_free: bool = False  # the graph for calls without grad of an exact module (AmpSpec.grad_free)
+    no_grad: bool = False  # the graph for calls without grad of an exact module (AmpSpec.no_grad)
     capture: str = "export"  # how the graph was captured (AmpSpec.capture); other shapes capture alike
+
+    def __setstate__(self, state: dict) -> None:
+        """Load a saved module's record; files saved before ``no_grad`` was so named call it ``grad_free``.
+
+        >>> old = AmpInfo.__new__(AmpInfo)
+        >>> old.__setstate__({"device_type": "cpu", "dtype": torch.bfloat16, "mode": "exact", "training": False, "config": Config(), "grad_free": True})
+        >>> assert old.no_grad and "grad_free" not in vars(old)
+        """
+        state = dict(state)
+        if "grad_free" in state:
+            state["no_grad"] = state.pop("grad_free")
+        self.__dict__.update(state)
 
     def spec(self) -> AmpSpec:
         """The conversion's spec again, to convert the same model for another shape class."""
         return AmpSpec(
-            self.device_type, self.dtype, self.mode, self.inference, self.config, "module", self.keep_io_types, self.grad_free,
+            self.device_type, self.dtype, self.mode, self.inference, self.config, "module", self.keep_io_types, self.no_grad,
             self.capture,
         )
 

@@ -189,7 +189,7 @@ class AmpModule(GraphModule):
             return self
         training = self.training
         base = self if training == info.training else self._mode_variant((training, False), args, kwargs)
-        if not info.inference and not info.grad_free and (peek_graph_info(base) or GraphInfo()).fused_without_grad and not _needs_grad(self, args, kwargs):
+        if not info.inference and not info.no_grad and (peek_graph_info(base) or GraphInfo()).fused_without_grad and not _needs_grad(self, args, kwargs):
             return self._mode_variant((training, True), args, kwargs)
         return base
 
@@ -203,10 +203,10 @@ class AmpModule(GraphModule):
                     variant = modes[key] = self._converted_as(*key, args, kwargs)
         return variant
 
-    def _converted_as(self, training: bool, grad_free: bool, args: tuple, kwargs: dict) -> AmpModule:
+    def _converted_as(self, training: bool, no_grad: bool, args: tuple, kwargs: dict) -> AmpModule:
         """The model converted again in another training mode, or for calls without grad."""
         model = self.__dict__.get(MODEL)
-        mode = ("training" if training else "eval") + (" without grad" if grad_free else "")
+        mode = ("training" if training else "eval") + (" without grad" if no_grad else "")
         if model is None:
             raise InputMismatchError(
                 f"this module was converted in {'training' if self.graphamp_info.training else 'eval'} mode and is "
@@ -214,7 +214,7 @@ class AmpModule(GraphModule):
                 "an older graphamp, or the model could not be pickled with it). Way out: call "
                 f"model.{'train' if training else 'eval'}() on the original model and graphamp.convert it again."
             )
-        spec = dataclasses.replace(self.graphamp_info.spec(), grad_free=grad_free)
+        spec = dataclasses.replace(self.graphamp_info.spec(), no_grad=no_grad)
         variant = self._converted(model, spec, training, args, kwargs, f"{mode} mode")
         _log.info("graphamp converted %s again for %s mode", type(model).__name__, mode)
         return variant
@@ -227,7 +227,7 @@ class AmpModule(GraphModule):
         emitted with, checked as convert checked this module (raising, or warning where convert
         warned); a conversion that fails is ``error``, naming ``what`` it was for."""
         # Captured in the grad mode its calls run in: the model's code may read it.
-        with training_as(model, training), torch.inference_mode(False), torch.set_grad_enabled(not spec.grad_free):
+        with training_as(model, training), torch.inference_mode(False), torch.set_grad_enabled(not spec.no_grad):
             try:
                 return self._engine()(model, args, kwargs, spec, (peek_graph_info(self) or GraphInfo()).self_check)
             except PolicyDriftError:
@@ -544,7 +544,7 @@ def emit(
     share_state(amp, model)
     amp.__dict__["_graphamp"] = AmpInfo(
         spec.device_type, spec.dtype, spec.mode, model.training, spec.config, spec.inference, spec.keep_io_types,
-        grad_free=spec.grad_free, capture=spec.capture,
+        no_grad=spec.no_grad, capture=spec.capture,
     )
     if spec.target == "module":
         bind_model(amp, model)

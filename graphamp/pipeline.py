@@ -190,7 +190,7 @@ def _guard_eager_reads(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, 
 def rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> torch.fx.GraphModule:
     """Capture, observe eager and run the passes: the rewritten graph, before emit (graphamp.export
     hands it to torch.export instead)."""
-    grads = not (spec.inference or spec.grad_free) and spec.target == "module"
+    grads = not (spec.inference or spec.no_grad) and spec.target == "module"
     with capture_lock(), autocast_off():
         if spec.capture == "values":
             gm = capture_by_values(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
@@ -215,13 +215,13 @@ def reconvert(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, checke
         return variant
     ok = checked.ok
     # A graph for calls without grad is checked as an inference conversion is: forward only, under no_grad.
-    check_spec = dataclasses.replace(spec, inference=True) if spec.grad_free else spec
+    check_spec = dataclasses.replace(spec, inference=True) if spec.no_grad else spec
     try:
         graph_info(variant).self_check = checker_for(variant)(
             variant, model, args, kwargs, check_spec, on_drift="raise" if ok else "warn"
         )
     except PolicyDriftError as drift:
-        if spec.grad_free:
+        if spec.no_grad:
             raise
         variant = exact_again(model, args, kwargs, spec, drift, None)
     return variant

@@ -127,7 +127,7 @@ class AmpSpec:
     # An exact module's graph for calls without grad (AmpModule converts it on the first such call
     # where eager's program differs, e.g. nn.TransformerEncoderLayer's fused kernel): eager's
     # no_grad kernels as inference=True takes them, but weights are not frozen.
-    grad_free: bool = False
+    no_grad: bool = False
     # How the graph is captured: "export" (torch.export, symbolic sizes), or "values" (the model run
     # on the example's values, eager's own program, guarded; graphamp.capture.values), which convert
     # takes where export's program is not eager's.

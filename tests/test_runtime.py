@@ -181,6 +181,8 @@ def test_committed_saved_module_still_loads(name):
     saved = torch.load(FIXTURES / f"saved_{name}.pt", weights_only=False)
     amp, x = saved["module"], saved["input"]
     assert isinstance(amp, graphamp.AmpModule) and amp.graphamp_info.inference == (name == "inference")
+    # Saved when AmpInfo.no_grad was named grad_free.
+    assert amp.graphamp_info.no_grad is False and "grad_free" not in vars(amp.graphamp_info)
     out = amp(x)
     assert out.dtype is torch.bfloat16 and torch.equal(out, saved["expected"])
     assert amp.cast_summary() == saved["cast_summary"] and amp.cast_summary()["casts"] > 0

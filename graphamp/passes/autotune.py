@@ -484,7 +484,7 @@ def _measure(gm: GraphModule, spec: AmpSpec, candidates: list[_Candidate], model
     unsettled: dict[str, tuple[float, float]] = {}  # timings too disturbed to keep in the cache
     paid: set[Node] = set()  # casts down an op kept low makes, which later ops share for free
     # A training conversion is timed forward and backward: a step pays both.
-    backward = not spec.inference and not spec.grad_free
+    backward = not spec.inference and not spec.no_grad
     # Timed chains may hold dropout: the random state is the caller's again after measuring.
     with torch.no_grad(), rng_kept():
         for c in candidates:

@@ -188,9 +188,9 @@ def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
     # and an exported program holds no graphamp call.
     if spec.target != "module" or spec.device_type != "cpu" or not torch.backends.mha.get_fastpath_enabled():
         return PassResult(gm, False)
-    if not (spec.inference or spec.grad_free):
+    if not (spec.inference or spec.no_grad):
         # A graph kept for grad: eager's program is this one with grad; without grad it would be the
-        # fused one, which the AmpModule converts on its first call without grad (AmpSpec.grad_free).
+        # fused one, which the AmpModule converts on its first call without grad (AmpSpec.no_grad).
         fused = any(_fused_args(gm, p, n) for p, n in _regions(gm).items()) or any(
             _attention_args(gm, p, n) for p, n in _regions(gm, _ATTENTION).items()
         )
