@@ -38,8 +38,17 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
 
-from graphamp import runtime_autocast, runtime_guards, runtime_saved
 from graphamp.errors import InputValueError
+# Defined in the runtime's own modules, named here; the ones outside __all__ for graphamp's own
+# compile-time importers (capture, passes, compiled).
+from graphamp.runtime_autocast import (
+    AutocastState, KeptFunction, KeptGraphFunction, PartialTemplate, Slot, apply_function, apply_graph_function,
+    autocast_op, autocast_state, current_autocast_state, fill, qualified_name,
+)
+from graphamp.runtime_guards import (
+    COMPILED_REFUSAL, InputGuard, assert_condition, compiled_guards, guard_size, guard_value, size_condition_holds,
+)
+from graphamp.runtime_saved import MODEL, NODE_META, restore_node_meta
 
 __all__ = [
     "AmpTracer",
@@ -68,27 +77,6 @@ __all__ = [
     "size_condition_holds",
 ]
 
-# Defined in the runtime's own modules, named here; the ones outside __all__ for graphamp's own
-# compile-time importers (capture, passes, compiled).
-AutocastState = runtime_autocast.AutocastState
-KeptFunction = runtime_autocast.KeptFunction
-KeptGraphFunction = runtime_autocast.KeptGraphFunction
-PartialTemplate = runtime_autocast.PartialTemplate
-Slot = runtime_autocast.Slot
-apply_function = runtime_autocast.apply_function
-apply_graph_function = runtime_autocast.apply_graph_function
-autocast_op = runtime_autocast.autocast_op
-autocast_state = runtime_autocast.autocast_state
-current_autocast_state = runtime_autocast.current_autocast_state
-fill = runtime_autocast.fill
-qualified_name = runtime_autocast.qualified_name
-COMPILED_REFUSAL = runtime_guards.COMPILED_REFUSAL
-InputGuard = runtime_guards.InputGuard
-assert_condition = runtime_guards.assert_condition
-compiled_guards = runtime_guards.compiled_guards
-guard_size = runtime_guards.guard_size
-guard_value = runtime_guards.guard_value
-size_condition_holds = runtime_guards.size_condition_holds
 
 
 def set_grad_enabled(enabled: bool) -> bool:
@@ -402,10 +390,10 @@ def rebuild_amp_module(body: dict[str, Any], import_block: str) -> nn.Module:
     state and the code's imports. The code is re-traced with :class:`AmpTracer`."""
     import graphamp  # loaded already: unpickling this function imported the package
 
-    record = body.pop(runtime_saved.NODE_META, None)
+    record = body.pop(NODE_META, None)
     # The model it was converted from (saved since it converts again for other shapes) stays out of
     # the module's submodules, as before saving.
-    model = body.pop(runtime_saved.MODEL, None)
+    model = body.pop(MODEL, None)
     # FX's loader keeps the new module's empty meta: graphamp's record (the self-check, what a
     # refused call puts back, ...) is put back here, read by the AmpModule of this version.
     meta = body.pop("meta", None)
@@ -416,5 +404,5 @@ def rebuild_amp_module(body: dict[str, Any], import_block: str) -> nn.Module:
     if model is not None:
         amp._graphamp_bind(model)
     if record is not None:
-        runtime_saved.restore_node_meta(amp.graph, record, graphamp.AmpModule.node_info_from_saved)
+        restore_node_meta(amp.graph, record, graphamp.AmpModule.node_info_from_saved)
     return amp

@@ -34,7 +34,7 @@ def _(tensors: list[torch.Tensor], key: int) -> None:
 VALUE_READ = torch.ops.graphamp.value_read.default
 
 # The Python-level reads of tensor values model code branches on, by the name the run-time guard
-# reads them with (graphamp.runtime._READS).
+# reads them with (graphamp.runtime_guards._READS).
 _T = torch.Tensor
 _READ_NAMES: dict[Any, str] = {
     _T.item: "item", _T.__bool__: "bool", _T.__int__: "int", _T.__float__: "float", _T.__index__: "index",
