@@ -38,7 +38,7 @@ def main() -> None:
         start = time.perf_counter()
         amp = graphamp.convert(case.model, inputs, kwargs, dtype=dtype)
         checked.append(time.perf_counter() - start)
-        check_s.append(amp.meta["graphamp.self_check"].seconds)
+        check_s.append(amp.meta["graphamp"].self_check.seconds)
     nodes = sum(1 for n in amp.graph.nodes if n.op == "call_function")
     print(f"BERT-base ({n_params / 1e6:.1f}M params, {nodes} op nodes after conversion), cpu/{args.dtype}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
