@@ -71,6 +71,8 @@ class NodeInfo:
     captured: tuple | None = None
     # A grad-mode switch whose region inline_regions has already applied.
     grad_switch: bool = False
+    # A guard the capture on values put in place of one of the model's value reads: which read.
+    value_read: int | None = None
     # Further notes by pass name (for example measured timings), plain values only.
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)
 

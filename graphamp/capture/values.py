@@ -41,7 +41,7 @@ from graphamp.shared_state import capture_lock
 from graphamp.capture.functions import _FunctionKeeper
 from graphamp.eager import RngState
 from graphamp.errors import CaptureError
-from graphamp.node_info import graph_info, info
+from graphamp.node_info import graph_info, info, peek
 from graphamp.runtime import fill, guard_size, guard_value
 from graphamp.spec import ambient_autocast
 from graphamp.capture.functions import _bind_kept_functions
@@ -168,7 +168,6 @@ def _argument_names(model: nn.Module, flat: list[Any], in_spec: Any) -> list[str
 
 
 _DATA_DEPENDENT = torch.Tag.data_dependent_output
-_READ_KEY = "graphamp_read"  # a guard node's meta: which of the model's reads it checks
 
 
 def _is_data_read(node: Node) -> bool:
@@ -214,7 +213,7 @@ def _guard_reads(gm: GraphModule, reads: list[Read], values_of: Callable[[list[N
             with graph.inserting_before(node):
                 guard = graph.call_function(guard_value, (read.name, list(values), read.observed, read.where))
             guard.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
-            guard.meta[_READ_KEY] = key
+            info(guard).value_read = key
             _explain_guard(guard)
             graph.erase_node(node)
             for done in pending:
@@ -452,7 +451,7 @@ def guard_eager_reads(
         """Whether the model's code runs another program when this read (a bool) comes out the other
         way: traced again with it flipped (once per line of code, for the first few lines). A read
         only logging looks at (transformers' padding warning) changes nothing: no warning."""
-        key, where = guard.meta.get(_READ_KEY), _where(guard)
+        key, where = (peek(guard).value_read if peek(guard) else None), _where(guard)
         if key is None or not isinstance(guard.args[2], bool):
             return True
         if where not in decided and len(decided) >= _MAX_FLIPS:
