@@ -29,6 +29,7 @@ from torch import nn
 
 from graphamp.autotune.accuracy import no_less_accurate
 from graphamp.capture import capture
+from graphamp.capture.export import size_conditions_since, size_guard_count
 from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.capture.values import capture_by_values, guard_eager_reads
 from graphamp.emit import ALL_ONES_AS_NONE, ALL_ONES_PROVEN, AmpModule, all_ones_key, emit, is_all_ones
@@ -199,7 +200,14 @@ def rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check
             if spec.target in ("module", "export"):
                 _guard_eager_reads(gm, model, args, kwargs, spec, grads)
         observe_eager(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype)
+        guards = size_guard_count(gm)
         run_passes(gm, spec, build_pipeline(spec, check=check))
+        # A size a pass fixed to the example's (a composite's decomposition reading it as an int)
+        # is checked at call time like the model's own conditions.
+        taken = size_conditions_since(gm, guards, "a composite op's decomposition, traced for the example's sizes")
+        if taken:
+            record = graph_info(gm)
+            record.size_conditions = [*record.size_conditions, *taken]
         return gm
 
 

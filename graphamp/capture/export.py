@@ -123,10 +123,36 @@ def _model_ranges(ep: torch.export.ExportedProgram) -> tuple[dict, dict[str, str
     return ranges, reasons
 
 
-def _shape_env(ep: torch.export.ExportedProgram) -> Any:
+def _shape_env(ep: torch.export.ExportedProgram | torch.fx.GraphModule) -> Any:
     vals = pytree.tree_leaves([n.meta.get("val") for n in ep.graph.nodes])
     fake = next((v for v in vals if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)), None)
     return fake.fake_mode.shape_env if fake is not None else None
+
+
+def size_guard_count(gm: torch.fx.GraphModule) -> int:
+    """How many size guards the shape environment of ``gm``'s values holds (0 without one)."""
+    env = _shape_env(gm)
+    return len(env.guards) if env is not None else 0
+
+
+def size_conditions_since(gm: torch.fx.GraphModule, start: int, by: str) -> list[tuple[str, tuple[str, ...], str]]:
+    """The size conditions ``by`` (graphamp's passes) took on ``gm``'s symbolic sizes after the
+    environment held ``start`` guards, as :func:`_model_conditions` gives them.
+
+    A pass that traces a composite op's decomposition on the graph's fake values can fix a symbolic
+    size to the example's (a kernel that reads a size as an int): the decomposed graph then
+    holds that size as a constant, so the converted module must check it, and convert again for
+    inputs of another size, instead of failing inside the graph or computing on a wrong view.
+    """
+    import sympy
+
+    env = _shape_env(gm)
+    if env is None:
+        return []
+    # Only the guards that fix a size (Eq): the ones a traced decomposition turns into constants.
+    # Size-oblivious checks (a size is not 1) leave the decomposed graph valid at other sizes.
+    fixed = [(guard.expr, by) for guard in env.guards[start:] if isinstance(guard.expr, sympy.Eq)]
+    return _conditions(env, fixed, ranges_known=False)
 
 
 def _model_guards(ep: torch.export.ExportedProgram) -> list[tuple[Any, str]]:
@@ -151,16 +177,22 @@ def _model_conditions(ep: torch.export.ExportedProgram) -> list[tuple[str, tuple
     open at 1, so the converted module checks the condition itself: an input that breaks it takes
     another branch in eager, and gets its own conversion.
     """
+    return _conditions(_shape_env(ep), _model_guards(ep))
+
+
+def _conditions(env: Any, guards: list[tuple[Any, str]], *, ranges_known: bool = True) -> list[tuple[str, tuple[str, ...], str]]:
+    """Size guards (expression, where) as run-time conditions: Python source over the size symbols,
+    the symbols, and the guard with where it was taken; ``ranges_known``: a bound on one size is
+    left out, as export's ``range_constraints`` hold it."""
     from torch.utils._sympy.printers import PythonPrinter
 
-    env = _shape_env(ep)
     # torch 2.13 renamed var_to_val (now a deprecated alias that warns) to backed_var_to_val.
     example = getattr(env, "backed_var_to_val", None) if env is not None else None
     if example is None:
         example = getattr(env, "var_to_val", {})
     conditions = []
-    for expr, line in _model_guards(ep):
-        if len(expr.free_symbols) == 1 and _is_range(expr):
+    for expr, line in guards:
+        if ranges_known and len(expr.free_symbols) == 1 and _is_range(expr):
             continue  # a bound on one size: in range_constraints already
         symbols = sorted(expr.free_symbols, key=str)
         source, sizes = PythonPrinter().doprint(expr), tuple(str(s) for s in symbols)

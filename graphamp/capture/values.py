@@ -141,10 +141,24 @@ def _as_model_graph(
     for node, name in zip(input_nodes, arg_names):
         node._rename(name)
         node.target = node.name
-    graph._codegen = torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo([n.target for n in input_nodes], in_spec, out_spec))
+    # The forward takes the model's own arguments (a dict of tensors is one argument); the generated
+    # code flattens them into the graph's inputs.
+    graph._codegen = torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo(_top_level_names(model, in_spec), in_spec, out_spec))
     gm = GraphModule(root, graph)
     gm.meta.update(traced.meta)
     return gm
+
+
+def _top_level_names(model: nn.Module, in_spec: Any) -> list[str]:
+    """The forward's argument names as the model is called: one per positional argument (its
+    parameter's name, or ``arg{i}`` past the named ones), then the keywords."""
+    try:
+        params = [p.name for p in inspect.signature(model.forward).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    args_spec, kwargs_spec = in_spec.children_specs
+    positional = [params[i] if i < len(params) else f"arg{i}" for i in range(args_spec.num_children)]
+    return positional + [str(k) for k in kwargs_spec.context]
 
 
 def _argument_names(model: nn.Module, flat: list[Any], in_spec: Any) -> list[str]:
