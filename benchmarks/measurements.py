@@ -54,6 +54,10 @@ CITED = (
     Cited("bench-2026-11-28p-infer-bf16.json", "Speed: inference, bf16", "30d25d4",
           "Eval under `no_grad` on the four bench models; graphamp's compiled autotune variant also "
           "tries inductor's C++ wrapper."),
+    Cited("bench-2026-11-29-avx2-infer-bf16.json", "Speed: inference, bf16 on a CPU that emulates it (AVX2)", "c36524b",
+          "Eval under `no_grad` on two bench models, every variant of the task, on an AMD EPYC with AVX2 only: "
+          "bf16 is emulated, so eager autocast is several times slower than fp32, and the alternatives include "
+          "`torch.compile` in fp32 with and without freezing."),
     Cited("bench-2026-11-28j-train-bf16.json", "Speed: training step, bf16", "0439eb9",
           "Forward, backward and AdamW step; every variant of the task."),
     Cited("bench-2026-11-28j-forward-bf16.json", "Speed: eval forward with grad, bf16", "0439eb9",
@@ -104,8 +108,11 @@ CITED = (
           "scripts/census --out benchmarks/results/census-2026-11-26-population.jsonl --jobs 2 --timeout 900"),
 )
 
-# README.md's speed table: inference and training, bf16, on the four bench models.
-SPEED_FILES = ("bench-2026-11-28p-infer-bf16.json", "bench-2026-11-28j-train-bf16.json")
+# README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
+SPEED_FILES = (
+    ("bench-2026-11-28p-infer-bf16.json", "bench-2026-11-28j-train-bf16.json"),
+    ("bench-2026-11-29-avx2-infer-bf16.json",),
+)
 
 
 def cited(file: str) -> Cited:
@@ -313,39 +320,47 @@ def measurements_md() -> str:
 
 
 def speed_table() -> str:
-    """README.md's table: per model and task, eager autocast's time, graphamp exact, graphamp's
-    fastest variant and the fastest alternative without graphamp, as ratios to eager autocast."""
+    """README.md's tables, one per CPU class: per model and task, eager autocast's time, graphamp
+    exact, graphamp's fastest variant and the fastest alternative without graphamp, as ratios to
+    eager autocast."""
+    return "\n".join([SPEED_BEGIN, "\n\n".join(_speed_table(files) for files in SPEED_FILES), SPEED_END])
+
+
+def _speed_table(files: tuple[str, ...]) -> str:
     import bench_tables
 
     names = {"bert": "BERT-like", "gpt2": "GPT-2-like", "transformer_encoder": "nn.TransformerEncoder", "checkerboard": "AMP tutorial conv net"}
     tasks = {"infer": "inference", "train": "training step"}
     rows, sources = [], []
-    for file in SPEED_FILES:
+    for file in files:
         doc = json.loads((RESULTS / file).read_text())
-        c = cited(file)
-        sources.append((file, c, doc))
+        sources.append((file, cited(file), doc))
         for model, variants in bench_tables._by_model(doc["rows"]).items():
             auto = variants["autocast"]["median_ms"]
             q = bench_tables.ratios(variants, doc["rows"][0]["task"])
             ours, theirs = variants[q["ours"]]["median_ms"], variants[q["theirs"]]["median_ms"]
+            exact = next((variants[v]["median_ms"] for v in ("graphamp", "graphamp_inference") if v in variants), None)
             rows.append([names.get(model, model), tasks[doc["rows"][0]["task"]], f"{auto:.1f} ms",
-                         f"{variants['graphamp']['median_ms'] / auto:.2f}x" if "graphamp" in variants else "-",
+                         f"{exact / auto:.2f}x" if exact else "-",
                          f"{ours / auto:.2f}x (`{q['ours']}`)", f"{theirs / auto:.2f}x (`{q['theirs']}`)", f"**{q['target']:.2f}**"])
     head = ["model", "task", "eager autocast", "graphamp exact", "graphamp's fastest", "fastest without graphamp",
             "graphamp's fastest / fastest without"]
     machine = bench_machine(sources[0][2])
+    ran = {r["variant"] for _, _, doc in sources for r in doc["rows"]}
+    alternatives = ", ".join(f"`{a}`" for a in bench_tables.ALTERNATIVES if a in ran)
+    models = " ".join(dict.fromkeys(r["model"] for _, _, doc in sources for r in doc["rows"]))
     commands = "; ".join(
-        f"`graphamp bench --model checkerboard transformer_encoder gpt2 bert --task {doc['rows'][0]['task']} --dtype bf16 --all`"
-        for _, _, doc in sources)
-    files = ", ".join(f"`{f}` (commit `{c.commit}`)" for f, c, _ in sources)
+        f"`graphamp bench --model {models} --task {doc['rows'][0]['task']} --dtype bf16 --all`" for _, _, doc in sources)
+    listed = ", ".join(f"`{f}` (commit `{c.commit}`)" for f, c, _ in sources)
     return "\n".join([
-        SPEED_BEGIN,
+        f"**{sources[0][2].get('capability', '?').split(' (')[0]}**",
+        "",
         _table(head, rows, {2, 3, 4, 5, 6}),
         "",
-        f"Times relative to eager `torch.autocast` (lower is faster), bf16, median of interleaved rounds. "
-        f"Machine: {machine}. Measured {date_of(SPEED_FILES[0])} (files {files}; every variant, with the exact "
-        f"commands, in [docs/measurements.md](docs/measurements.md)). Reproduce with {commands}.",
-        SPEED_END,
+        f"Times relative to eager `torch.autocast` (lower is faster), bf16, median of interleaved rounds; "
+        f"the alternatives measured: {alternatives}. Machine: {machine}. Measured {date_of(files[0])} (files "
+        f"{listed}; every variant, with the exact commands, in [docs/measurements.md](docs/measurements.md)). "
+        f"Reproduce with {commands}.",
     ])
 
 
