@@ -40,7 +40,7 @@ from graphamp.errors import (
     UnsupportedFunctionError,
     UnsupportedShardingError,
 )
-from graphamp.autotune.plan import AutotunePlan
+from graphamp.autotune.plan import AutotunePlan, BudgetPlan, BudgetStep
 from graphamp.policy import Category, Policy, get_policy
 from graphamp.train import TrainStep
 from graphamp.verify import Report, verify
@@ -51,6 +51,8 @@ __all__ = [
     "AmpInfo",
     "AmpModule",
     "AutotunePlan",
+    "BudgetPlan",
+    "BudgetStep",
     "BannedOpError",
     "CaptureError",
     "Category",

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graphamp.autotune.plan import AutotunePlan
+import math
+
+from graphamp.autotune.plan import AutotunePlan, BudgetPlan
 from graphamp.policy import Category, op_key, resolve_dtype
 from graphamp.runtime import FrozenDict
 
@@ -65,14 +67,19 @@ class Config:
     # Submodules whose ops all run in float32 (eligible inputs cast up): qualified-name globs
     # such as "encoder.layer.*.attention", or nn.Module subclasses such as nn.LayerNorm.
     fp32_modules: tuple[str | type[nn.Module], ...] = ()
-    # mode="autotune" only: a graphamp.AutotunePlan (or its to_dict() data) to replay instead of
-    # measuring; a plan made for another model, device or dtype raises PlanMismatchError.
-    plan: AutotunePlan | None = None
+    # mode="autotune": a graphamp.AutotunePlan, mode="budget": a graphamp.BudgetPlan (or either's
+    # to_dict() data) to replay instead of measuring; a plan made for another model, device or dtype
+    # raises PlanMismatchError.
+    plan: AutotunePlan | BudgetPlan | None = None
     # As torch.autocast's cache_enabled. True: one low-precision cast per fp32 weight that requires
     # grad per forward, shared by its uses, so their gradients sum in the low dtype before one cast
     # up. False: a cast per use, summed in fp32 (PyTorch Lightning's precision="bf16-mixed" runs
     # autocast this way). Outputs are the same either way; gradients of shared weights differ.
     cache_enabled: bool = True
+    # mode="budget" only: the largest relative RMS error against fp32 (outputs, and gradients where
+    # the conversion keeps them) allowed on the example and on a held-back batch. None: each batch's
+    # cap is BUDGET_FACTOR (2) times eager autocast's own error there.
+    error_budget: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_enabled, bool):
@@ -92,12 +99,22 @@ class Config:
                 )
         object.__setattr__(self, "fp32_modules", modules)
         if isinstance(self.plan, Mapping):
-            object.__setattr__(self, "plan", AutotunePlan.from_dict(self.plan))
-        elif self.plan is not None and not isinstance(self.plan, AutotunePlan):
+            kind = BudgetPlan if self.plan.get("kind") == "budget" else AutotunePlan
+            object.__setattr__(self, "plan", kind.from_dict(self.plan))
+        elif self.plan is not None and not isinstance(self.plan, (AutotunePlan, BudgetPlan)):
             raise TypeError(
-                f"Config.plan must be a graphamp.AutotunePlan (AutotunePlan.of(amp), or AutotunePlan.load(path)), "
-                f"got {type(self.plan).__name__}"
+                f"Config.plan must be a graphamp.AutotunePlan or BudgetPlan (AutotunePlan.of(amp), BudgetPlan.of(amp), "
+                f"or their load(path)), got {type(self.plan).__name__}"
             )
+        if self.error_budget is not None:
+            if isinstance(self.error_budget, bool) or not isinstance(self.error_budget, (int, float)) or not (
+                self.error_budget > 0 and math.isfinite(self.error_budget)
+            ):
+                raise ValueError(
+                    f"Config.error_budget is the largest relative RMS error against fp32 mode='budget' may reach, a "
+                    f"positive number such as 0.01, or None for twice eager autocast's own error; got {self.error_budget!r}"
+                )
+            object.__setattr__(self, "error_budget", float(self.error_budget))
 
     @classmethod
     def from_model(cls, model: nn.Module, *, dtype: torch.dtype | str = torch.float16) -> Config:
@@ -132,7 +149,15 @@ class Config:
     def keeps_policy(self) -> bool:
         """Autocast's own policy: no op overridden, no module kept in fp32, so every node's dtype
         is eager's (``cache_enabled`` changes where casts are shared, not any dtype)."""
-        return not self.op_overrides and not self.fp32_modules
+        return not self.all_overrides and not self.fp32_modules
+
+    @property
+    def all_overrides(self) -> Mapping[str, Category | None]:
+        """The op overrides the policy applies: a budget plan's decisions, then ``op_overrides``
+        (which the budget search never moves)."""
+        if not isinstance(self.plan, BudgetPlan) or not self.plan.overrides:
+            return self.op_overrides
+        return {**{op: Category(c) for op, c in self.plan.overrides.items()}, **self.op_overrides}
 
     def keeps_fp32(self, module_stack: Mapping[str, tuple[str, object]] | None) -> str | None:
         """The first module on ``module_stack`` (a node's ``nn_module_stack``) kept in fp32, if any."""

@@ -4,6 +4,7 @@ and ``compile=True``; the conversion itself is the engine's (:mod:`graphamp.pipe
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -15,9 +16,10 @@ from graphamp.config import Config
 from graphamp.emit import AmpModule
 from graphamp.errors import CaptureError, PolicyDriftError
 from graphamp.node_info import graph_info
-from graphamp.pipeline import build, exact_again, self_checked
+from graphamp.pipeline import build, conversions_of_one_capture, exact_again, self_checked
 from graphamp.self_check import applies, check_self_check
 from graphamp.spec import AmpSpec
+from graphamp.autotune.budget import within_budget
 from graphamp.autotune.compiled import fastest_compiled
 from graphamp.compiled import compile_converted
 from graphamp.integrations import fsdp
@@ -50,7 +52,12 @@ def convert(
         mode: "exact" reproduces eager autocast bit for bit (and warns once, with
             :class:`graphamp.EmulatedPrecisionWarning`, where this CPU emulates ``dtype``);
             "autotune" measures each low-precision op against fp32 here and keeps the faster
-            (never less precise than autocast; ``graphamp.AutotunePlan.of(amp)`` is its plan).
+            (never less precise than autocast; ``graphamp.AutotunePlan.of(amp)`` is its plan);
+            "budget" goes past autocast: op types, also those autocast keeps in fp32 (norms,
+            softmax, pointwise ops), move to the other dtype where the whole program measures
+            faster and its error against fp32, on the example and a held-back batch, stays within
+            ``Config(error_budget=...)`` (default: twice eager autocast's own error);
+            ``graphamp.BudgetPlan.of(amp)`` lists every op type tried (:mod:`graphamp.autotune.budget`).
         config: a :class:`graphamp.Config` with op overrides and modules kept in fp32.
         inference: deployment mode: no gradient path is kept (calls run under ``no_grad``),
             casts are shared freely, and weights used only in low precision are cast once, now,
@@ -76,6 +83,7 @@ def convert(
             With ``mode="autotune"`` (and no plan given) up to three programs are compiled, the
             plan's, autocast's dtypes and every op raised, and the fastest on the example is
             returned (:mod:`graphamp.autotune.compiled`; ``AutotunePlan.of(cm.amp).compiled``).
+            With ``mode="budget"`` each program the search tries is compiled and timed compiled.
 
     Returns:
         An :class:`AmpModule`: a GraphModule with the casts in its code, sharing the model's
@@ -104,8 +112,11 @@ def convert(
     if spec.mode == "exact":
         hardware.warn_if_emulated(spec.device_type, spec.dtype)
     refused: CaptureError | None = None
+    # The budget search converts many times from one capture: the first conversion makes it.
+    searches = spec.mode == "budget" and spec.config.plan is None
+    convert_with = conversions_of_one_capture(model, args, kwargs, spec) if searches else functools.partial(build, model, args, kwargs)
     try:
-        amp = build(model, args, kwargs, spec)
+        amp = convert_with(spec)
     except CaptureError as e:
         if not needs_graph_breaks(e):
             raise
@@ -125,6 +136,9 @@ def convert(
             graph_info(amp).self_check = self_checked(amp, model, args, kwargs, spec, on_drift=on_drift, diagnose=not quick)
         except PolicyDriftError as drift:
             amp = exact_again(model, args, kwargs, spec, drift, refused, first=amp)
+    if searches and isinstance(amp, AmpModule):
+        compile_fn = (lambda program: compile_converted(program, model, args, kwargs)) if compile else None
+        return within_budget(amp, model, args, kwargs, spec, convert_with, compile_fn)
     if compile:
         if spec.mode == "autotune" and spec.config.plan is None and isinstance(amp, AmpModule) and graph_info(amp).plan is not None:
             return fastest_compiled(amp, model, args, kwargs, spec)

@@ -19,10 +19,11 @@ conversion is handed :func:`build`; autotune's accuracy check is handed :func:`r
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -77,6 +78,26 @@ def build(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: 
     if spec.mode == "autotune" and spec.config.plan is None and checks_accuracy():
         amp = no_less_accurate(amp, model, args, kwargs, spec, replay)
     return amp
+
+
+def conversions_of_one_capture(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> Callable[[AmpSpec], AmpModule]:
+    """A function converting ``model`` with a spec like ``spec`` (another config: the budget search's
+    trials), each from a copy of one capture, made on the first call: capturing is most of a
+    conversion's time, and the passes only read the captured graph's sizes."""
+    first: list[torch.fx.GraphModule] = []
+
+    def convert_with(trial: AmpSpec) -> AmpModule:
+        if fsdp.is_sharded(model) or trial.capture != spec.capture:
+            return build(model, args, kwargs, trial)
+        with source_lines_read_lazily(), autocast_off():
+            if not first:
+                first.append(captured(model, args, kwargs, spec))
+            # A copy of the graph and its records; the parameters and buffers stay the model's own.
+            shared = {id(t): t for t in (*first[0].parameters(), *first[0].buffers())}
+            gm = rewritten(copy.deepcopy(first[0], shared), trial)
+            return emit(gm, model, trial, example=(args, kwargs), engine=reconvert)
+
+    return convert_with
 
 
 def replay(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, decisions: AutotunePlan) -> AmpModule:
@@ -191,6 +212,13 @@ def _guard_eager_reads(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, 
 def rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check: bool | None = None) -> torch.fx.GraphModule:
     """Capture, observe eager and run the passes: the rewritten graph, before emit (graphamp.export
     hands it to torch.export instead)."""
+    with capture_lock(), autocast_off():
+        return rewritten(captured(model, args, kwargs, spec), spec, check=check)
+
+
+def captured(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> torch.fx.GraphModule:
+    """The model's graph as the passes take it: captured (by torch.export, or on values), its eager
+    value reads guarded, and what eager did at its attention calls observed."""
     grads = not (spec.inference or spec.no_grad) and spec.target == "module"
     with capture_lock(), autocast_off():
         if spec.capture == "values":
@@ -200,6 +228,12 @@ def rewrite(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, *, check
             if spec.target in ("module", "export"):
                 _guard_eager_reads(gm, model, args, kwargs, spec, grads)
         observe_eager(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype)
+        return gm
+
+
+def rewritten(gm: torch.fx.GraphModule, spec: AmpSpec, *, check: bool | None = None) -> torch.fx.GraphModule:
+    """``gm`` (from :func:`captured`) through the passes, in place."""
+    with capture_lock(), autocast_off():
         guards = size_guard_count(gm)
         run_passes(gm, spec, build_pipeline(spec, check=check))
         # A size a pass fixed to the example's (a composite's decomposition reading it as an int)

@@ -32,7 +32,7 @@ __all__ = [
     "resolve_device_type",
 ]
 
-MODES = ("exact", "autotune")
+MODES = ("exact", "autotune", "budget")
 TARGETS = ("module", "aot", "export")
 
 # The one table of dtype spellings every frontend and the CLI accept.
@@ -86,7 +86,8 @@ def check_mode(mode: object) -> str:
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(
             f"mode={mode!r} is not supported; use one of {MODES} ('exact' reproduces eager autocast, "
-            "'autotune' keeps the faster of low precision and fp32 per op)"
+            "'autotune' keeps the faster of low precision and fp32 per op, 'budget' also lowers ops autocast keeps "
+            "in fp32 where the program gets faster within an error budget)"
         )
     return mode
 
@@ -160,20 +161,28 @@ class AmpSpec:
             raise ValueError(f"target={target!r} is not one of {TARGETS}")
         mode = check_mode(mode)
         config = check_config(config)
-        if config.plan is not None and mode != "autotune":
+        wanted = {"AutotunePlan": "autotune", "BudgetPlan": "budget"}.get(type(config.plan).__name__)
+        if wanted is not None and mode != wanted:
             raise ValueError(
-                f"Config(plan=...) replays an autotune plan, but mode={mode!r}; pass mode='autotune' with it, "
-                "or drop the plan for an exact conversion"
+                f"Config(plan=...) replays {'an autotune' if wanted == 'autotune' else 'a budget'} plan, but mode={mode!r}; "
+                f"pass mode={wanted!r} with it, or drop the plan for an exact conversion"
+            )
+        if config.error_budget is not None and mode != "budget":
+            raise ValueError(
+                f"Config(error_budget=...) bounds mode='budget', but mode={mode!r}; pass mode='budget' with it"
             )
         device = resolve_device_type(device_type, model, inputs)
         if check_devices:
             check_device(device, model, inputs)
-        return cls(device, resolve_dtype(dtype, device), mode, inference, config, target, keep_io_types)
+        dtype = resolve_dtype(dtype, device)
+        if wanted == "budget":  # an autotune plan is checked against the ops it decides, in its pass
+            config.plan.check(device, dtype)
+        return cls(device, dtype, mode, inference, config, target, keep_io_types)
 
     @property
     def policy(self) -> Policy:
         """The built-in autocast policy for the device and dtype, with the config's overrides."""
-        return get_policy(self.device_type, self.dtype).with_overrides(self.config.op_overrides)
+        return get_policy(self.device_type, self.dtype).with_overrides(self.config.all_overrides)
 
     @property
     def check(self) -> bool:

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
 from graphamp.config import Config
-from graphamp.pipeline import build
+from graphamp.pipeline import build, conversions_of_one_capture
 from graphamp.emit import AmpModule
 from graphamp.errors import InputMismatchError
 from graphamp.probe import attribute_bound
@@ -39,6 +39,7 @@ from graphamp.node_info import GraphInfo, graph_info, peek_graph_info
 from graphamp.runtime import grad_casts_kept
 from graphamp.self_check import applies, check_against_eager, check_self_check
 from graphamp.spec import AmpSpec, autocast_off, check_device
+from graphamp.autotune.budget import within_budget
 from graphamp.autotune.compiled import fastest_compiled
 from graphamp.compiled import CompiledOptimizerStep, compiled_for_training
 from graphamp.integrations import fsdp
@@ -263,7 +264,10 @@ class TrainStep:
             backward on this machine and raising to fp32 the low-precision ops that run faster in
             fp32 (fp16 matmuls on a CPU that emulates fp16), never less accurate than autocast on the
             first batch. Not bitwise: the self-check does not apply; the plan (decisions, times,
-            accuracy against autocast's) is ``graphamp.AutotunePlan.of(step.module)``.
+            accuracy against autocast's) is ``graphamp.AutotunePlan.of(step.module)``. "budget":
+            :func:`graphamp.convert`'s budget search on the model and loss (the loss and every
+            gradient within the error budget, on the first batch and a held-back one); its plan is
+            ``graphamp.BudgetPlan.of(step.module)``.
 
     Attributes:
         module: the converted model+loss (an :class:`AmpModule`), after the first call.
@@ -400,6 +404,12 @@ class TrainStep:
         if self.compile and self.spec.mode == "autotune" and self.spec.config.plan is None and graph_info(amp).plan is not None:
             self._compiled = fastest_compiled(amp, wrapper, inputs, {}, self.spec, compile_fn=_compiled_for_training_now)
             amp = getattr(self._compiled, "amp", self._compiled)
+        if self.spec.mode == "budget" and self.spec.config.plan is None:
+            compile_fn = (lambda program: _compiled_for_training_now(program, wrapper, inputs, {})) if self.compile else None
+            chosen = within_budget(amp, wrapper, inputs, {}, self.spec, conversions_of_one_capture(wrapper, inputs, {}, self.spec), compile_fn)
+            if self.compile:
+                self._compiled = chosen
+            amp = getattr(chosen, "amp", chosen)
         return amp
 
     def _loss(self, args: tuple, kwargs: dict[str, Any], target: Any) -> torch.Tensor:

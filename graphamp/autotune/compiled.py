@@ -24,7 +24,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils import benchmark
 
 from graphamp.emit import AmpModule
 from graphamp.node_info import graph_info
@@ -36,7 +35,7 @@ from graphamp.compiled import compile_converted
 from graphamp.eager import state_restored
 from graphamp.pipeline import replay
 
-__all__ = ["MARGIN", "candidate_plans", "fastest_compiled", "pick", "ratios_to_plan", "time_programs"]
+__all__ = ["MARGIN", "candidate_plans", "fastest_compiled", "pick", "program_call", "ratios_to_plan", "time_programs"]
 
 # Another candidate replaces the plan's own program only when its median is this much lower.
 MARGIN = 0.03
@@ -66,9 +65,12 @@ def time_programs(runs: dict[str, Callable[[], Any]], *, rounds: int = ROUNDS) -
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
-            # Timer runs with one thread unless told: time with the threads the program will use.
-            timer = benchmark.Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
-            samples[name].append(timer.timeit(numbers[name]).mean * 1e3)
+            # Timed directly: benchmark.Timer.timeit warms up with two more calls per round, which
+            # the first call above makes needless and which triple a slow program's cost.
+            start = time.perf_counter()
+            for _ in range(numbers[name]):
+                run()
+            samples[name].append((time.perf_counter() - start) / numbers[name] * 1e3)
     return samples
 
 
@@ -122,15 +124,7 @@ def fastest_compiled(
     params = checked_params(model, spec)
 
     def run(cm: nn.Module) -> Callable[[], Any]:
-        def call() -> Any:
-            if not params:
-                with torch.no_grad():
-                    return cm(*args, **kwargs)
-            out = [t for t in torch.utils._pytree.tree_leaves(cm(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if out:  # the parameters' gradients, as a training step computes them (no .grad touched)
-                torch.autograd.grad(sum(t.float().mean() for t in out), params, allow_unused=True)
-
-        return call
+        return program_call(cm, args, kwargs, params)
 
     samples: dict[str, list[float]] = {}
     if len(compiled) > 1:
@@ -141,6 +135,21 @@ def fastest_compiled(
     if spec.inference and compile_fn is compile_converted and getattr(chosen, "runs_compiled", False):
         chosen = _cpp_wrapper_if_faster(chosen, {"plan": amp, **programs}[best], model, args, kwargs, run, notes)
     return _chosen(chosen, caught[best], best, samples, notes, spec)
+
+
+def program_call(program: nn.Module, args: tuple, kwargs: dict, params: list[torch.Tensor]) -> Callable[[], Any]:
+    """A call of ``program`` on the example as a timing runs it: forward under no_grad where
+    ``params`` is empty, else forward and the gradients of ``params`` (no ``.grad`` touched)."""
+
+    def call() -> Any:
+        if not params:
+            with torch.no_grad():
+                return program(*args, **kwargs)
+        out = [t for t in torch.utils._pytree.tree_leaves(program(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if out:  # the parameters' gradients, as a training step computes them
+            torch.autograd.grad(sum(t.float().mean() for t in out), params, allow_unused=True)
+
+    return call
 
 
 def _cpp_wrapper_if_faster(

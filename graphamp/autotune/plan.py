@@ -1,4 +1,5 @@
-"""An autotune plan: which of autocast's low-precision ops ``mode="autotune"`` raised to fp32, and why.
+"""The plans of the measured modes: which of autocast's low-precision ops ``mode="autotune"`` raised to
+fp32, and which op types ``mode="budget"`` moved off autocast's dtype, and why.
 
 ``graphamp.convert(..., mode="autotune")`` measures; ``AutotunePlan.of(amp)`` is its plan;
 ``Config(plan=plan)`` replays it without measuring, so a deployment converts the same way on every
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,7 +22,7 @@ from graphamp.errors import PlanMismatchError
 from graphamp.node_info import GraphInfo, peek_graph_info
 from graphamp.runtime import FrozenDict
 
-__all__ = ["AutotunePlan", "PlanMismatchError", "fingerprint"]
+__all__ = ["AutotunePlan", "BudgetPlan", "BudgetStep", "PlanMismatchError", "fingerprint"]
 
 _VERSION = 1
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -106,8 +108,8 @@ class AutotunePlan:
     @classmethod
     def of(cls, amp: torch.nn.Module) -> AutotunePlan:
         """The plan an ``mode="autotune"`` conversion made (``amp`` is its AmpModule)."""
-        plan = (peek_graph_info(amp) or GraphInfo()).plan
-        if plan is None:
+        plan = (peek_graph_info(getattr(amp, "amp", amp)) or GraphInfo()).plan
+        if not isinstance(plan, AutotunePlan):
             raise ValueError(
                 "this module has no autotune plan: it was not converted with mode='autotune'. Way out: "
                 "graphamp.convert(model, args, mode='autotune')"
@@ -188,4 +190,158 @@ class AutotunePlan:
                 f"Config(plan=...) was made for another model: it decides {len(self.decisions)} low-precision ops, "
                 f"this model has {len(ops)}; the first difference is op #{first}: this model has {got}, the plan "
                 f"has {want}. {way_out}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetStep:
+    """One decision of ``mode="budget"``: an op type moved to another dtype in every node that has
+    it, with what that measured, and whether it was kept."""
+
+    __module__ = "graphamp"
+
+    op: str  # the ATen op, as Config.op_overrides spells it ("layer_norm", "add.Tensor")
+    nodes: int  # how many nodes of the program have it
+    tried: str  # "lower_precision_fp" (moved to the low dtype) or "fp32"
+    kept: bool
+    # Relative RMS error against fp32 on the example and on the held-back batch (outputs, and
+    # gradients where the conversion keeps them); inf where it could not be measured.
+    error: float
+    error_held_back: float
+    # The program's time with this op moved over its time without (median of interleaved rounds);
+    # None where it was not timed (the error was over the budget already).
+    time_ratio: float | None
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """The decisions of one ``mode="budget"`` conversion, replayable through ``Config(plan=...)``.
+
+    ``overrides`` are the op types moved off autocast's dtype, as ``Config.op_overrides`` spells
+    them; ``steps`` every op type tried, in order, with its measured error and time.
+
+    >>> import json, torch
+    >>> step = BudgetStep("layer_norm", 9, "lower_precision_fp", True, 0.004, 0.005, 0.9, "0.90x the time, within the budget")
+    >>> plan = BudgetPlan("cpu", torch.bfloat16, {"layer_norm": "lower_precision_fp"}, steps=(step,))
+    >>> assert plan.lowered == ("layer_norm",) and plan.raised == ()
+    >>> assert BudgetPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    """
+
+    __module__ = "graphamp"
+
+    device_type: str
+    dtype: torch.dtype
+    # ATen op -> "lower_precision_fp" or "fp32": the op types moved off autocast's dtype.
+    overrides: Mapping[str, str]
+    steps: tuple[BudgetStep, ...] = ()
+    # The error cap on each batch (example, held-back), and eager autocast's own error there.
+    budget: tuple[float, float] = (math.inf, math.inf)
+    autocast_error: tuple[float, float] = (0.0, 0.0)
+    # The chosen program's error on each batch.
+    error: tuple[float, float] = (0.0, 0.0)
+    # What was timed: "eager" (the converted graph) or "compiled" (each program through inductor).
+    timed: str = "eager"
+    measure_s: float = 0.0
+    machine: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device_type, str):
+            raise TypeError(f"BudgetPlan.device_type must be a string, got {type(self.device_type).__name__}")
+        object.__setattr__(self, "dtype", _dtype(self.dtype, "dtype"))
+        if not isinstance(self.overrides, Mapping):
+            raise TypeError("BudgetPlan.overrides must map ATen op names to 'lower_precision_fp' or 'fp32'")
+        overrides = {}
+        for op, category in self.overrides.items():
+            category = getattr(category, "value", category)
+            if category not in ("lower_precision_fp", "fp32"):
+                raise ValueError(f"BudgetPlan override for {op!r} is {category!r}; a budget plan moves an op to 'lower_precision_fp' or 'fp32'")
+            overrides[str(op)] = category
+        object.__setattr__(self, "overrides", FrozenDict(overrides))
+        object.__setattr__(self, "steps", tuple(s if isinstance(s, BudgetStep) else BudgetStep(**s) for s in self.steps))
+        for name in ("budget", "autocast_error", "error"):
+            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
+
+    @classmethod
+    def of(cls, amp: torch.nn.Module) -> BudgetPlan:
+        """The plan a ``mode="budget"`` conversion made (``amp`` its AmpModule or CompiledAmpModule)."""
+        plan = (peek_graph_info(getattr(amp, "amp", amp)) or GraphInfo()).plan
+        if not isinstance(plan, BudgetPlan):
+            raise ValueError(
+                "this module has no budget plan: it was not converted with mode='budget'. Way out: "
+                "graphamp.convert(model, args, mode='budget')"
+            )
+        return plan
+
+    @property
+    def lowered(self) -> tuple[str, ...]:
+        """The op types moved to the low dtype, which autocast keeps in fp32."""
+        return tuple(op for op, c in self.overrides.items() if c == "lower_precision_fp")
+
+    @property
+    def raised(self) -> tuple[str, ...]:
+        """The op types moved to fp32, which autocast runs in the low dtype."""
+        return tuple(op for op, c in self.overrides.items() if c == "fp32")
+
+    def reason(self, op: str) -> str:
+        """Why ``op`` has its dtype: the step that moved it."""
+        step = next((s for s in self.steps if s.op == op and s.kept), None)
+        return f"budget plan: {step.why}" if step is not None else "budget plan (replayed)"
+
+    def summary(self) -> str:
+        """One line: what moved, at what error, and what measuring cost."""
+        low = _dtype_name(self.dtype)
+        moved = ", ".join(f"{op} to {'fp32' if c == 'fp32' else low}" for op, c in self.overrides.items()) or "nothing moved"
+        return (
+            f"budget ({low}): {moved}; {len(self.steps)} op types tried, timed {self.timed}, in {self.measure_s:.1f} s; "
+            f"relative RMS error vs fp32 {self.error[0]:.3g} on the example and {self.error[1]:.3g} on a held-back batch "
+            f"(budget {self.budget[0]:.3g} and {self.budget[1]:.3g}; eager autocast's {self.autocast_error[0]:.3g} and "
+            f"{self.autocast_error[1]:.3g})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (infinite errors as the string "inf")."""
+        data = {
+            "kind": "budget", "version": _VERSION, "device_type": self.device_type, "dtype": _dtype_name(self.dtype),
+            "overrides": dict(self.overrides), "steps": [s.to_dict() for s in self.steps], "budget": list(self.budget),
+            "autocast_error": list(self.autocast_error), "error": list(self.error), "timed": self.timed,
+            "measure_s": self.measure_s, "machine": self.machine,
+        }
+        return json.loads(json.dumps(data, default=str).replace("Infinity", '"inf"'))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BudgetPlan:
+        if not isinstance(data, Mapping) or data.get("kind") != "budget" or data.get("version") != _VERSION:
+            raise ValueError(
+                f"not a graphamp budget plan of version {_VERSION}; make one with "
+                "BudgetPlan.of(graphamp.convert(..., mode='budget'))"
+            )
+        fields = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k in fields}
+        data["steps"] = tuple(
+            BudgetStep(**{k: (float(v) if v == "inf" else v) for k, v in s.items()}) for s in data.get("steps", ())
+        )
+        for name in ("budget", "autocast_error", "error"):
+            if name in data:
+                data[name] = tuple(float(v) for v in data[name])
+        return cls(**data)
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> BudgetPlan:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def check(self, device_type: str, dtype: torch.dtype) -> None:
+        """Raise PlanMismatchError unless the plan was made for this device and dtype."""
+        if (self.device_type, self.dtype) != (device_type, dtype):
+            raise PlanMismatchError(
+                f"Config(plan=...) was made for {self.device_type} {_dtype_name(self.dtype)}, but this conversion is "
+                f"{device_type} {_dtype_name(dtype)}. Way out: convert with mode='budget' and no plan to measure afresh."
             )

@@ -71,6 +71,11 @@ class BackendOptions:
         opts = cls(**options)
         if not isinstance(opts.mode, str) or opts.mode not in MODES:
             raise OptionError(f"option mode={opts.mode!r} is not a graphamp mode; use one of {MODES}")
+        if opts.mode == "budget":
+            raise OptionError(
+                "option mode='budget' measures the whole model's error against fp32 on its example, which a graph "
+                "the compiler hands the backend is not; use graphamp.convert(model, args, mode='budget', compile=True)"
+            )
         if not isinstance(opts.inner, str) or opts.inner not in INNER_COMPILERS:
             raise OptionError(f"option inner={opts.inner!r} is not an inner compiler; use one of {INNER_COMPILERS}")
         if opts.config is not None and not isinstance(opts.config, Config):

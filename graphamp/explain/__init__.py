@@ -21,7 +21,9 @@ from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from graphamp.config import Config
-from graphamp.convert import check_inputs
+from graphamp.autotune.plan import AutotunePlan, BudgetPlan
+from graphamp.convert import check_inputs, convert
+from graphamp.errors import CaptureError
 from graphamp.pipeline import build
 from graphamp.emit import AmpModule
 from graphamp.explain.html import render
@@ -29,7 +31,7 @@ from graphamp.explain.numerics import GradNumerics, NodeNumerics, cast_target, f
 from graphamp.spec import AmpSpec
 from graphamp.verify.report import error_metrics
 
-from graphamp.node_info import innermost_module
+from graphamp.node_info import GraphInfo, innermost_module, peek_graph_info
 from graphamp.policy import LOW_DTYPES, short_dtype
 from graphamp.explain.numerics import run_fp32
 
@@ -109,6 +111,8 @@ class Explanation:
     outputs: tuple[OutputNumerics, ...] = ()
     grads: tuple[GradNumerics, ...] | None = None
     reference_failures: tuple[tuple[str, str], ...] = ()
+    # mode="autotune" or "budget": the plan's summary, then one line per decision it measured.
+    plan: tuple[str, ...] = ()
 
     def node(self, name: str) -> NodeRecord:
         """The record of the op node called ``name``."""
@@ -162,6 +166,7 @@ class Explanation:
         ]
         if self.config != "Config()":
             lines.append(f"config: {self.config}")
+        lines.extend(self.plan[:1] + tuple(f"  {line}" for line in self.plan[1:]))
         for path, why in self.kept_fp32:
             lines.append(f"kept in fp32: {path or '<root>'}: {why}")
         if self.numerics:
@@ -224,6 +229,7 @@ def explain(
     dtype: torch.dtype | str | None = None,
     device_type: str | None = None,
     config: Config | None = None,
+    mode: str = "exact",
     numerics: bool = True,
     grads: bool = False,
 ) -> Explanation:
@@ -232,6 +238,9 @@ def explain(
 
     Args:
         model, args, kwargs, dtype, device_type, config: as for :func:`graphamp.convert`.
+        mode: as for :func:`graphamp.convert`; with "autotune" or "budget" the conversion measures
+            here, and the explanation lists its plan: every decision with its measured time and,
+            for "budget", its error against fp32 (``explanation.plan``).
         numerics: also run the converted graph node by node beside an fp32 run of the same graph,
             recording per node the max abs and relative error, SQNR, overflow (inf/nan) and
             flush-to-zero counts, and the first node that produces inf/nan.
@@ -251,8 +260,13 @@ def explain(
     args, kwargs = check_inputs(model, args, kwargs, "graphamp.explain")
     if not isinstance(numerics, bool) or not isinstance(grads, bool):
         raise TypeError("numerics and grads must be True or False")
-    spec = AmpSpec.resolve(model, (args, kwargs), dtype=dtype, device_type=device_type, config=config)
-    amp = build(model, args, kwargs, spec)
+    spec = AmpSpec.resolve(model, (args, kwargs), dtype=dtype, device_type=device_type, mode=mode, config=config)
+    if spec.mode == "exact":
+        amp = build(model, args, kwargs, spec)
+    else:  # the measured modes decide in convert (the budget search runs there)
+        amp = convert(model, args, kwargs, dtype=spec.dtype, device_type=spec.device_type, mode=spec.mode, config=spec.config, self_check="off")
+        if not isinstance(amp, AmpModule):
+            raise CaptureError(f"graphamp.explain needs one graph; {type(model).__name__} converts only with graph breaks")
     run = run_side_by_side(amp, model, args, kwargs) if numerics else None
     return explain_converted(model, amp, args, kwargs, spec, run=run, grads=grads)
 
@@ -308,7 +322,23 @@ def explain_converted(model: nn.Module, amp: AmpModule, args: tuple, kwargs: dic
         outputs=_output_numerics(model, args, kwargs, outputs) if run is not None else (),
         grads=grad_underflow(model, amp, args, kwargs) if grads else None,
         reference_failures=tuple(interp.reference_failures.items()) if interp is not None else (),
+        plan=_plan_lines((peek_graph_info(amp) or GraphInfo()).plan),
     )
+
+
+def _plan_lines(plan: Any) -> tuple[str, ...]:
+    """A measured mode's plan as lines: its summary, then each decision it measured."""
+    if isinstance(plan, BudgetPlan):
+        return (plan.summary(), *(
+            f"{s.op} ({s.nodes} nodes): {'kept' if s.kept else 'not kept'}: {s.why}" for s in plan.steps
+        ))
+    if isinstance(plan, AutotunePlan):
+        return (plan.summary(), *(
+            f"{name} ({plan.ops.get(name, '?')}): {short_dtype(dtype)}"
+            + (f" ({plan.times_ms[name][0]:.3g} ms low, {plan.times_ms[name][1]:.3g} ms fp32)" if name in plan.times_ms else "")
+            for name, dtype in plan.decisions.items()
+        ))
+    return ()
 
 
 def _config_repr(config: Config) -> str:

@@ -204,6 +204,9 @@ def render(e: Explanation) -> str:
                 f"max rel {_g(o.max_rel)}, SQNR {_g(o.sqnr_db, '.1f')} dB</div>"
             )
     kept = "".join(f"<div>kept in fp32: <b>{_e(p or '<root>')}</b> — {_e(w)}</div>" for p, w in e.kept_fp32)
+    if e.plan:
+        steps = "".join(f"<li>{_e(line)}</li>" for line in e.plan[1:])
+        kept += f'<div class="plan"><b>{_e(e.plan[0])}</b><ul>{steps}</ul></div>'
     legend = (
         f'<div class="legend"><span><i class="sw" style="background:{_LOW}"></i>{_e(e.dtype)} ops</span>'
         f'<span><i class="sw" style="background:{_FP32}"></i>fp32 ops</span><span><i class="sw" style="background:{_OTHER}"></i>other</span>'

@@ -66,6 +66,8 @@ def classify(node: Node, policy: Policy, config: Config, *, kernel_paths: bool =
         return Decision(None, low, "not on an autocast list")
     if key in config.op_overrides:
         source = "config override"
+    elif key in config.all_overrides:
+        source = config.plan.reason(key)
     elif key in policy.opaque:
         if key == "lstm.input" and kernel_paths:
             return Decision(None, low, "decomposed along the kernel path eager takes for it")

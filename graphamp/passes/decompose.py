@@ -88,7 +88,7 @@ class Decomposer:
                 return self.inline(node, sub, leaves, "oneDNN (mkldnn_rnn_layer per layer and direction)")
         category, _, _ = self.classify(node)
         enabled, _ = autocast_state(node, self.policy)
-        if category is not None or not enabled or op_key(op) in self.config.op_overrides:
+        if category is not None or not enabled or op_key(op) in self.config.all_overrides:
             return None
         if self.config.keeps_fp32(node.meta.get("nn_module_stack")) is not None:
             return None

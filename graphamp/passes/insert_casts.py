@@ -41,7 +41,7 @@ from graphamp.passes.graph_edit import (
     recompute_val,
     val_of,
 )
-from graphamp.node_info import info
+from graphamp.node_info import info, peek
 from graphamp.policy import APPEND_DTYPE_TARGETS, Category, Policy, is_eligible, op_key, promote_dtype
 
 if TYPE_CHECKING:
@@ -134,13 +134,22 @@ class _Rewriter:
                 self.fresh.update(copies)
                 self.modified = True
                 return copies[0] if copies else nxt
-            edited = self.apply_policy(node)
+            edited = self.apply_policy(node) or self.stale(node)
         if edited or node in self.fresh or any(a in self.dirty for a in node.all_input_nodes):
             old = dtypes_of(node.meta.get("val"))
             node.meta["val"] = recompute_val(node, self.fake_mode)
             if dtypes_of(node.meta["val"]) != old:
                 self.dirty.add(node)
         return nxt
+
+    def stale(self, node: Node) -> bool:
+        """Whether the node's value has a floating dtype other than the one its category computes in:
+        captured values carry eager autocast's dtypes, so an op a config moves off autocast's dtype
+        whose inputs need no cast (a linear kept in fp32 on fp32 inputs) is re-derived all the same."""
+        record = peek(node)
+        return record is not None and record.dtype is not None and any(
+            d is not None and d.is_floating_point and d != record.dtype for d in dtypes_of(node.meta.get("val"))[:1]
+        )
 
     def category_of(self, node: Node) -> Decision | tuple[Category | None, torch.dtype, str]:
         return classify(node, self.policy, self.config, kernel_paths=self.kernel_paths)

@@ -23,7 +23,7 @@ def onednn_lstm_applies(node: Node, policy: Policy, config: Config, *, grad_enab
     """Whether eager autocast runs the ``aten::lstm`` at ``node`` on oneDNN (and not on its native
     C++ cells), which depends on the device, the input dtype, projections and the grad mode."""
     enabled, _ = autocast_state(node, policy)
-    if not enabled or "lstm.input" in config.op_overrides or config.keeps_fp32(node.meta.get("nn_module_stack")):
+    if not enabled or "lstm.input" in config.all_overrides or config.keeps_fp32(node.meta.get("nn_module_stack")):
         return False
     input, (h, c) = val_of(node.args[0]), val_of(node.args[1])
     return policy.device_type == "cpu" and lstm_uses_onednn(
