@@ -40,6 +40,16 @@ def test_the_recommendation_names_the_fastest_at_autocasts_accuracy():
     assert line.startswith("bert (infer, bf16): use graphamp_compiled (50 ms): 1.20x faster than the fastest alternative, compile_fp32_freezing")
 
 
+def test_a_budgeted_variant_is_recommended_only_at_autocasts_accuracy():
+    rows = [_row("fp32", 80.0), _row("autocast", 500.0), _row("compile_fp32", 60.0), _row("graphamp_budget_compiled", 40.0)]
+    rows[-1].err_vs_fp32, rows[-1].autocast_err_vs_fp32 = 0.002, 0.001  # within its budget, less accurate than autocast
+    line = bench.recommendation(rows)
+    assert line.startswith("bert (infer, bf16): use compile_fp32 (60 ms)")
+    assert "within its error budget, graphamp_budget_compiled takes 40 ms (0.67x compile_fp32), at an error vs fp32 of 0.002 against eager autocast's 0.001" in line
+    rows[-1].err_vs_fp32 = 0.0005  # as accurate as autocast, or more: it counts
+    assert bench.recommendation(rows).startswith("bert (infer, bf16): use graphamp_budget_compiled (40 ms)")
+
+
 def test_the_estimate_uses_this_runs_measurements():
     eta = bench_progress.Estimate([("m", "fp32", ("eager", 1.0)), ("m", "graphamp_compiled", ("compile", 1.0)),
                            ("m", "compile_fp32", ("compile", 2.0))], rounds=3)

@@ -29,6 +29,10 @@ def setup_kind(variant: str, cpp_wrapper: bool) -> tuple[str, float]:
     """What preparing ``variant`` costs, as (kind, how many of that kind)."""
     if variant in ("graphamp_autotune_compiled", "trainstep_autotune_compiled"):
         return "compile", 3.0 + cpp_wrapper  # up to three candidates, then the C++-wrapper build
+    if variant == "graphamp_budget_compiled":
+        return "compile", 8.0  # a compile per op type tried, about seven on the bench's transformers
+    if variant == "graphamp_budget":
+        return "convert", 3.0  # a conversion and timed rounds per op type tried
     if variant.startswith("compile_"):
         return "compile", 1.0 + cpp_wrapper
     if variant in COMPILED:
