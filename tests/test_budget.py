@@ -181,3 +181,42 @@ def test_an_override_on_fp32_inputs_moves_the_ops_after_it():
     expected = h.bfloat16() @ h.bfloat16().t()
     out = amp(x)
     assert out.dtype is torch.bfloat16 and torch.equal(out, expected)
+
+
+def test_a_transformers_bert_within_its_budget_on_both_batches(monkeypatch):
+    """End to end on model code graphamp did not write: transformers' BERT (small config, random
+    weights), the default budget, training (outputs and gradients count)."""
+    pytest.importorskip("transformers")
+    from graphamp.autotune.accuracy import _outputs_and_grads_of, checked_params
+    from graphamp.spec import AmpSpec
+    from graphamp.testing import zoo
+
+    case = zoo.bert()
+    model = case.model.train()
+    args, kwargs = case.inputs
+    monkeypatch.setattr(budget_module, "time_programs", _timed_as(lambda: True))
+    amp = graphamp.convert(model, args, kwargs, dtype=torch.bfloat16, mode="budget")
+    plan = graphamp.BudgetPlan.of(amp)
+    assert plan.steps and plan.error[0] <= plan.budget[0] and plan.error[1] <= plan.budget[1]
+    # The recorded error on the held-back batch is the converted module's, measured again here.
+    spec = AmpSpec.resolve(model, (args, kwargs), dtype=torch.bfloat16, mode="budget")
+    params = checked_params(model, spec)
+    held_args, held_kwargs = budget_module.held_back(args, kwargs)
+    ref = _outputs_and_grads_of(model, model, held_args, held_kwargs, params)
+    got = _outputs_and_grads_of(amp, model, held_args, held_kwargs, params)
+    assert relative_error(got, ref) == pytest.approx(plan.error[1], rel=1e-6)
+    # Its parameters are the model's: a step trains the model.
+    out = amp(*args, **kwargs)
+    out.last_hidden_state.float().mean().backward()
+    assert model.embeddings.word_embeddings.weight.grad is not None
+
+
+def test_compile_times_the_compiled_programs():
+    model, x = _model()
+    cm = graphamp.convert(model, (x,), dtype=torch.bfloat16, inference=True, mode="budget", compile=True,
+                          config=graphamp.Config(error_budget=0.05))
+    plan = graphamp.BudgetPlan.of(cm)
+    assert isinstance(cm, graphamp.CompiledAmpModule) and plan.timed == "compiled" and plan.steps
+    assert all(s.time_ratio is not None for s in plan.steps if "over the budget" not in s.why)
+    with torch.no_grad():
+        assert relative_error(([cm(x).float()],), ([model(x)],)) <= 0.05
