@@ -67,8 +67,8 @@ CITED = (
           "`mode=\"autotune\"` raises the slow ops to fp32."),
     Cited("bench-2026-11-28l-train-fp16-checkerboard.json", "Speed: training step, fp16 emulated, checkerboard", "89a0846",
           "Autotune in training, compiled and uncompiled, where fp16 is emulated."),
-    Cited("bench-2026-11-28o-main-job.json", "Speed: the main job (BERT-like, inference, bf16)", "15a76eb",
-          "`scripts/bench`'s model with every variant of the task at the time."),
+    Cited("bench-2026-11-28o-main-job.json", "Speed: BERT-like, inference, bf16, every variant", "15a76eb",
+          "The bench's BERT-like model with every variant of the task at the time."),
     Cited("bench-2026-11-28i-train-bf16-bert-dropout-masks.json", "Speed: training with dropout (BERT-like)", "b0043b8",
           "The bench's BERT-like model with hidden and attention dropout 0.1 (`benchmarks/dropout_models.py`), "
           "with the compiled paths' mask pass."),
