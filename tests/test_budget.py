@@ -220,3 +220,18 @@ def test_compile_times_the_compiled_programs():
     assert all(s.time_ratio is not None for s in plan.steps if "over the budget" not in s.why)
     with torch.no_grad():
         assert relative_error(([cm(x).float()],), ([model(x)],)) <= 0.05
+
+
+def test_an_encoder_layers_fused_kernel_is_an_op_type_too(monkeypatch):
+    """Under inference=True an eval nn.TransformerEncoderLayer runs eager's fused kernel under
+    autocast; the search can raise it, to the fused kernel with autocast off (eager fp32's program)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 8, 32)
+    monkeypatch.setattr(budget_module, "time_programs", _timed_as(lambda: True))
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16, inference=True, mode="budget")
+    plan = graphamp.BudgetPlan.of(amp)
+    assert plan.raised == ("_transformer_encoder_layer_fwd",), plan.summary()
+    with torch.no_grad():
+        assert torch.equal(amp(x), model(x))  # eager fp32 runs the same fused kernel

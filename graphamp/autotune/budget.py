@@ -48,6 +48,7 @@ from graphamp.autotune.plan import BudgetPlan, BudgetStep
 from graphamp.eager import state_restored
 from graphamp.node_info import graph_info, info, peek
 from graphamp.policy import Category, op_key, short_dtype
+from graphamp.runtime import autocast_op
 from graphamp.spec import AmpSpec, ambient_autocast
 
 __all__ = ["BUDGET_FACTOR", "held_back", "op_types", "within_budget"]
@@ -98,15 +99,17 @@ def op_types(amp: nn.Module, spec: AmpSpec) -> list[tuple[str, str, int]]:
     pinned: set[str] = set()
     policy = spec.policy
     for node in amp.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        # An eager fused kernel run under autocast (fuse_encoder_layers) counts as its op.
+        target = node.args[0] if node.op == "call_function" and node.target is autocast_op else node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
         record = peek(node)
         val = node.meta.get("val")
         if (record is not None and record.cast) or not isinstance(val, torch.Tensor) or not val.is_floating_point():
             continue
-        key = op_key(node.target)
+        key = op_key(target)
         if (
-            node.target.is_view
+            target.is_view
             or key.startswith(("dropout", "native_dropout", "_to_copy", "clone", "contiguous", "detach", "alias"))
             or policy.category(key) is Category.BANNED
             or not any(isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_floating_point() for a in node.all_input_nodes)

@@ -33,6 +33,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphamp.passes.graph_edit import attr_of, carried_meta, fake_mode_of, next_node, recompute_val
 from graphamp.node_info import graph_info
+from graphamp.policy import Category, op_key
 from graphamp.runtime import autocast_op
 
 if TYPE_CHECKING:
@@ -197,21 +198,27 @@ def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
         graph_info(gm).fused_without_grad = fused
         return PassResult(gm, False)
     modified = False
+    # A config (or budget plan) listing the fused op fp32 runs it with autocast off: eager fp32's program.
+    raised = spec.config.all_overrides.get(op_key(FUSED)) is Category.FP32
     for path, nodes in _regions(gm).items():
         found = _fused_args(gm, path, nodes)
         if found is None:
             continue
         src, out, args = found
         with gm.graph.inserting_after(out):
-            fused = gm.graph.call_function(autocast_op, (FUSED, spec.device_type, spec.dtype, src, *args))
+            if raised:
+                fused = gm.graph.call_function(FUSED, (src, *args))
+            else:
+                fused = gm.graph.call_function(autocast_op, (FUSED, spec.device_type, spec.dtype, src, *args))
         # The fused kernel's output dtype: eager's, found on a two-token example with the real weights.
         with torch.no_grad():
             probe = torch.zeros(1, 2, args[0], device=src.meta["val"].device, dtype=src.meta["val"].dtype)
             real = [attr_of(gm, a.target) if isinstance(a, Node) else a for a in args]
-            dtype = autocast_op(FUSED, spec.device_type, spec.dtype, probe, *real).dtype
+            dtype = FUSED(probe, *real).dtype if raised else autocast_op(FUSED, spec.device_type, spec.dtype, probe, *real).dtype
+        how = "with autocast off, as the config lists it fp32" if raised else "under autocast as eager runs it"
         fused.meta.update(carried_meta(
             out, category=None, dtype=dtype,
-            reason=f"{path}: eager's fused _transformer_encoder_layer_fwd under no_grad, run under autocast as eager runs it",
+            reason=f"{path}: eager's fused _transformer_encoder_layer_fwd under no_grad, run {how}",
             eager_kernel="_transformer_encoder_layer_fwd",
         ))
         fake_mode = fake_mode_of(gm)
