@@ -58,6 +58,15 @@ CITED = (
           "Eval under `no_grad` on two bench models, every variant of the task, on an AMD EPYC with AVX2 only: "
           "bf16 is emulated, so eager autocast is several times slower than fp32, and the alternatives include "
           "`torch.compile` in fp32 with and without freezing."),
+    Cited("bench-2026-11-29-avx2-infer-budget.json", "Speed: budget mode, inference, bf16 emulated (AVX2)", "4b6e7fc",
+          "Eval under `no_grad` on the four bench models, on an AMD EPYC with AVX2 only (bf16 emulated): the budget "
+          "variants with the default budget (twice eager autocast's error against fp32) beside autotune and "
+          "`torch.compile` in fp32. At this commit the budget search could not move an encoder layer's fused "
+          "kernel, so `nn.TransformerEncoder`'s budget rows are autocast's program; the next section measures it "
+          "with that fixed."),
+    Cited("bench-2026-11-29-avx2-infer-budget-encoder.json", "Speed: budget mode on nn.TransformerEncoder, bf16 emulated (AVX2)",
+          "1aa68a2", "The same comparison on `nn.TransformerEncoder`, where the budget search may raise each "
+          "layer's fused kernel."),
     Cited("bench-2026-11-28j-train-bf16.json", "Speed: training step, bf16", "0439eb9",
           "Forward, backward and AdamW step; every variant of the task."),
     Cited("bench-2026-11-28j-forward-bf16.json", "Speed: eval forward with grad, bf16", "0439eb9",

@@ -33,3 +33,14 @@ def test_training_like_for_like_is_trainstep_compiled_over_compile_autocast_and_
     assert q["like"] == 6.0 / 8.0 and q["ours"] == "trainstep_compiled"
     text = bench_tables.summary([{"rows": rows}, {"rows": rows}])
     assert "| train | bf16 | m | 2 | 0.75 (0.75, 0.75) | 0.75 (0.75, 0.75) | 0.90 (0.90, 0.90) |" in text
+
+
+def test_compiled_pure_low_and_a_less_accurate_budget_variant_are_not_graphamps_fastest() -> None:
+    rows = _rows("infer", {"fp32": 10.0, "autocast": 8.0, "compile_pure_low": 1.0, "compile_fp32": 4.0,
+                           "graphamp_autotune_compiled": 3.5, "graphamp_budget_compiled": 2.0})
+    budget = next(r for r in rows if r["variant"] == "graphamp_budget_compiled")
+    budget.update(err_vs_fp32=0.02, autocast_err_vs_fp32=0.01)  # within its budget, less accurate than autocast
+    q = bench_tables.ratios(bench_tables._by_model(rows)["m"], "infer")
+    assert (q["ours"], q["theirs"]) == ("graphamp_autotune_compiled", "compile_fp32")
+    budget.update(err_vs_fp32=0.005)
+    assert bench_tables.ratios(bench_tables._by_model(rows)["m"], "infer")["ours"] == "graphamp_budget_compiled"
