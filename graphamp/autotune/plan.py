@@ -45,8 +45,36 @@ def fingerprint(candidates: Sequence[tuple[str, str, str]]) -> str:
     return hashlib.sha256(repr(tuple(candidates)).encode()).hexdigest()[:16]
 
 
+class _Plan:
+    """What both plans share: read from a converted module, written and read as JSON."""
+
+    _MODE = ""  # the convert mode that makes the plan
+
+    @classmethod
+    def of(cls, amp: torch.nn.Module) -> Any:
+        """The plan the conversion in this mode made (``amp`` its AmpModule or CompiledAmpModule)."""
+        plan = (peek_graph_info(getattr(amp, "amp", amp)) or GraphInfo()).plan
+        if not isinstance(plan, cls):
+            raise ValueError(
+                f"this module has no {cls._MODE} plan: it was not converted with mode={cls._MODE!r}. Way out: "
+                f"graphamp.convert(model, args, mode={cls._MODE!r})"
+            )
+        return plan
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Any:
+        """Read a plan written by :meth:`save`."""
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
 @dataclasses.dataclass(frozen=True)
-class AutotunePlan:
+class AutotunePlan(_Plan):
     """The decisions of one autotune conversion, replayable through ``Config(plan=...)``.
 
     >>> import json, torch
@@ -56,6 +84,7 @@ class AutotunePlan:
     """
 
     __module__ = "graphamp"
+    _MODE = "autotune"
 
     # The policy's device and low dtype the plan was made for.
     device_type: str
@@ -105,17 +134,6 @@ class AutotunePlan:
         object.__setattr__(self, "times_ms", FrozenDict({str(k): tuple(map(float, v)) for k, v in self.times_ms.items()}))
         object.__setattr__(self, "ops", FrozenDict({str(k): str(v) for k, v in self.ops.items()}))
 
-    @classmethod
-    def of(cls, amp: torch.nn.Module) -> AutotunePlan:
-        """The plan an ``mode="autotune"`` conversion made (``amp`` is its AmpModule)."""
-        plan = (peek_graph_info(getattr(amp, "amp", amp)) or GraphInfo()).plan
-        if not isinstance(plan, AutotunePlan):
-            raise ValueError(
-                "this module has no autotune plan: it was not converted with mode='autotune'. Way out: "
-                "graphamp.convert(model, args, mode='autotune')"
-            )
-        return plan
-
     @property
     def raised(self) -> tuple[str, ...]:
         """The nodes raised to fp32, in graph order."""
@@ -162,17 +180,6 @@ class AutotunePlan:
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in fields})
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the plan as JSON."""
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> AutotunePlan:
-        """Read a plan written by :meth:`save`."""
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
-
     def check(self, device_type: str, dtype: torch.dtype, model: str, ops: Mapping[str, str]) -> None:
         """Raise PlanMismatchError unless the plan was made for this device, dtype and model."""
         way_out = "Way out: convert with mode='autotune' and no plan to measure afresh, or pass the plan made for this model."
@@ -218,7 +225,7 @@ class BudgetStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class BudgetPlan:
+class BudgetPlan(_Plan):
     """The decisions of one ``mode="budget"`` conversion, replayable through ``Config(plan=...)``.
 
     ``overrides`` are the op types moved off autocast's dtype, as ``Config.op_overrides`` spells
@@ -232,6 +239,7 @@ class BudgetPlan:
     """
 
     __module__ = "graphamp"
+    _MODE = "budget"
 
     device_type: str
     dtype: torch.dtype
@@ -264,17 +272,6 @@ class BudgetPlan:
         object.__setattr__(self, "steps", tuple(s if isinstance(s, BudgetStep) else BudgetStep(**s) for s in self.steps))
         for name in ("budget", "autocast_error", "error"):
             object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
-
-    @classmethod
-    def of(cls, amp: torch.nn.Module) -> BudgetPlan:
-        """The plan a ``mode="budget"`` conversion made (``amp`` its AmpModule or CompiledAmpModule)."""
-        plan = (peek_graph_info(getattr(amp, "amp", amp)) or GraphInfo()).plan
-        if not isinstance(plan, BudgetPlan):
-            raise ValueError(
-                "this module has no budget plan: it was not converted with mode='budget'. Way out: "
-                "graphamp.convert(model, args, mode='budget')"
-            )
-        return plan
 
     @property
     def lowered(self) -> tuple[str, ...]:
@@ -328,15 +325,6 @@ class BudgetPlan:
             if name in data:
                 data[name] = tuple(float(v) for v in data[name])
         return cls(**data)
-
-    def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> BudgetPlan:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
 
     def check(self, device_type: str, dtype: torch.dtype) -> None:
         """Raise PlanMismatchError unless the plan was made for this device and dtype."""
