@@ -67,6 +67,9 @@ CITED = (
     Cited("bench-2026-11-29-avx2-infer-budget-encoder.json", "Speed: budget mode on nn.TransformerEncoder, bf16 emulated (AVX2)",
           "1aa68a2", "The same comparison on `nn.TransformerEncoder`, where the budget search may raise each "
           "layer's fused kernel."),
+    Cited("bench-2026-11-29-avx2-train-budget.json", "Speed: budget mode, training step, bf16 emulated (AVX2)", "86e2055",
+          "The bench's BERT-like model: forward, backward and AdamW step, the uncompiled budget variant (its search "
+          "counts the gradients' error too) beside autotune, fp32 and `torch.compile` in fp32."),
     Cited("bench-2026-11-28j-train-bf16.json", "Speed: training step, bf16", "0439eb9",
           "Forward, backward and AdamW step; every variant of the task."),
     Cited("bench-2026-11-28j-forward-bf16.json", "Speed: eval forward with grad, bf16", "0439eb9",
