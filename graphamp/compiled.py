@@ -360,8 +360,8 @@ def measure_drift(cm: CompiledAmpModule, model: nn.Module, args: tuple = (), kwa
     if grads is None:
         grads = not info.inference and not random and any(p.requires_grad for p in model.parameters())
     spec = info.spec()
-    ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=info.inference)
-    got = outcome(lambda: cm(*args, **kwargs), model, grads=grads, no_grad=info.inference)
+    ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=info.inference, inputs=(args, kwargs))
+    got = outcome(lambda: cm(*args, **kwargs), model, grads=grads, no_grad=info.inference, inputs=(args, kwargs))
     out_abs, out_rel, same_dtypes, bitwise = _tree_errors(pytree.tree_leaves(got.outputs), pytree.tree_leaves(ref.outputs))
     if random:  # output dtypes and shapes still compare
         return Drift(None, None, same_dtypes, False, comparable=False, note=(
@@ -467,8 +467,8 @@ def _dtypes_follow_converted(cm: CompiledAmpModule, amp: AmpModule, model: nn.Mo
     if amp.graphamp_info.mode == "exact":
         return False  # the converted module's dtypes are eager autocast's, which the compiled ones miss
     no_grad = amp.graphamp_info.inference
-    got = outcome(lambda: cm(*args, **kwargs), model, grads=False, no_grad=no_grad)
-    ref = outcome(lambda: amp(*args, **kwargs), model, grads=False, no_grad=no_grad)
+    got = outcome(lambda: cm(*args, **kwargs), model, grads=False, no_grad=no_grad, inputs=(args, kwargs))
+    ref = outcome(lambda: amp(*args, **kwargs), model, grads=False, no_grad=no_grad, inputs=(args, kwargs))
     return _tree_errors(pytree.tree_leaves(got.outputs), pytree.tree_leaves(ref.outputs))[2]
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from graphamp import hardware
 from graphamp.backend.fallback import dynamo_fallback, needs_graph_breaks
 from graphamp.config import Config
+from graphamp.eager import inputs_copied
 from graphamp.emit import AmpModule
 from graphamp.errors import CaptureError, PolicyDriftError
 from graphamp.node_info import graph_info
@@ -147,7 +148,8 @@ def convert(
 
 
 def check_inputs(model: object, args: object, kwargs: object, frontend: str) -> tuple[tuple, dict]:
-    """The model and example inputs every frontend takes, checked and normalised."""
+    """The model and example inputs every frontend takes, checked and normalised (the tensors
+    copied: :func:`graphamp.eager.inputs_copied`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"{frontend} expects a torch.nn.Module, got {type(model).__name__}; wrap a function "
@@ -161,5 +163,7 @@ def check_inputs(model: object, args: object, kwargs: object, frontend: str) -> 
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of example keyword inputs, got {type(kwargs).__name__}")
-    return tuple(args), dict(kwargs or {})
+    # graphamp runs the model on the example many times (capture, probes, the self-check): on its
+    # own copy, so code that writes its inputs in place never writes the user's tensors.
+    return inputs_copied((tuple(args), dict(kwargs or {})))
 

@@ -52,8 +52,8 @@ from graphamp.policy import LOW_DTYPES
 from graphamp.spec import AmpSpec, autocast_off
 
 __all__ = [
-    "Outcome", "RngState", "autocast_call", "difference", "difference_without", "equal", "fixed_loss", "fp32_interface", "holds_values", "outcome",
-    "rng_kept", "same_start", "state_restored",
+    "Outcome", "RngState", "autocast_call", "difference", "difference_without", "equal", "fixed_loss", "fp32_interface", "fresh_tensor", "holds_values",
+    "inputs_copied", "inputs_restored", "outcome", "rng_kept", "same_start", "state_restored",
 ]
 
 
@@ -198,6 +198,54 @@ def _differs(now: torch.Tensor, before: torch.Tensor) -> bool:
         return True
 
 
+def fresh_tensor(t: torch.Tensor, storages: dict[Any, torch.UntypedStorage]) -> torch.Tensor:
+    """``t`` on a copy of its storage, so a run of the model cannot write the caller's tensor (code
+    may write its inputs in place: ``x.mul_(2)``, ``hidden_states[mask] += y``); tensors that share
+    a storage share the copy (a view and its base stay aliased). Parameters, leaves that require grad
+    (autograd refuses to write them in place, and gradients are taken with respect to them) and
+    tensors that are not plain dense tensors (fake, sparse, subclasses) are returned as they are."""
+    if (
+        isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or type(t) is not torch.Tensor
+        or t.layout is not torch.strided or t.is_quantized or t.is_nested
+    ):
+        return t
+    storage = t.untyped_storage()
+    key = (storage.data_ptr(), storage.nbytes(), t.device) if storage.nbytes() else id(t)
+    if key not in storages:
+        storages[key] = storage.clone()
+    fresh = torch.empty((), dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        fresh.set_(storages[key], t.storage_offset(), t.size(), t.stride())
+    return fresh.requires_grad_(t.requires_grad)
+
+
+def inputs_copied(inputs: Any) -> Any:
+    """The example inputs with every tensor :func:`fresh_tensor` copies copied: graphamp's runs of
+    the model write graphamp's copy, never the user's example.
+
+    >>> x = torch.zeros(3)
+    >>> (y,), _ = inputs_copied(((x,), {}))
+    >>> _ = y.add_(1)
+    >>> assert torch.equal(x, torch.zeros(3))
+    """
+    storages: dict[Any, torch.UntypedStorage] = {}
+    return pytree.tree_map_only(torch.Tensor, lambda t: fresh_tensor(t, storages), inputs)
+
+
+@contextlib.contextmanager
+def inputs_restored(inputs: Any) -> Iterator[None]:
+    """The input tensors a run writes in place put back after it, so the next run starts from the
+    same values (only those written: a ``copy_`` bumps the version counter)."""
+    kept = [(t, t._version, t.clone()) for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.layout is torch.strided]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, version, before in kept:
+                if t._version != version:
+                    t.copy_(before)
+
+
 class Outcome:
     """One run's outputs (detached) and gradients of the fixed loss, by parameter name."""
 
@@ -219,11 +267,12 @@ def same_start(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def outcome(call: Callable[[], Any], model: nn.Module, *, grads: bool, no_grad: bool) -> Outcome:
-    """``call()`` run from the model's restored state (:func:`same_start`): its outputs and, with
-    ``grads``, the gradients of :func:`fixed_loss` by parameter name."""
+def outcome(call: Callable[[], Any], model: nn.Module, *, grads: bool, no_grad: bool, inputs: Any = ()) -> Outcome:
+    """``call()`` run from the model's restored state (:func:`same_start`), the tensors of ``inputs``
+    (what it passes) put back after where it wrote them: its outputs and, with ``grads``, the
+    gradients of :func:`fixed_loss` by parameter name."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad] if grads else []
-    with same_start(model), (torch.no_grad() if no_grad else torch.enable_grad()):
+    with same_start(model), inputs_restored(inputs), (torch.no_grad() if no_grad else torch.enable_grad()):
         out = call()
         values = {}
         if named:
@@ -260,8 +309,8 @@ def difference_without(
     ``names`` passed as None, both from the same state; "" where eager treats them as absent
     (outputs, dtypes and, with ``grads``, parameter gradients bitwise)."""
     dropped = {**kwargs, **dict.fromkeys(k for k in names if k in kwargs)}
-    ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=not grads)
-    got = outcome(lambda: autocast_call(model, args, dropped, spec), model, grads=grads, no_grad=not grads)
+    ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=not grads, inputs=(args, kwargs))
+    got = outcome(lambda: autocast_call(model, args, dropped, spec), model, grads=grads, no_grad=not grads, inputs=(args, dropped))
     return difference(got, ref, keep_io_types=False)
 
 

@@ -158,8 +158,8 @@ def verify_export(
     spec = AmpSpec.resolve(model, (args, kwargs), dtype=dtype, device_type=device_type, inference=True, keep_io_types=keep_io_types)
     run_args, run_kwargs = pytree.tree_map_only(torch.Tensor, _as_fp32, (args, kwargs)) if keep_io_types else (args, kwargs)
     module = program.module()
-    ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True)
-    got = outcome(lambda: module(*run_args, **run_kwargs), model, grads=False, no_grad=True)
+    ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True, inputs=(args, kwargs))
+    got = outcome(lambda: module(*run_args, **run_kwargs), model, grads=False, no_grad=True, inputs=(run_args, run_kwargs))
     return difference(got, ref, keep_io_types=keep_io_types)
 
 

@@ -78,14 +78,14 @@ def check_against_eager(
     start = time.perf_counter()
     grads = not spec.inference and any(p.requires_grad for p in model.parameters())
     try:
-        ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=spec.inference)
+        ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=grads, no_grad=spec.inference, inputs=(args, kwargs))
     except Exception as e:  # the model itself cannot run eagerly here: nothing to compare against
         problem = f"not checked: eager autocast could not run the example ({type(e).__name__}: {str(e).strip()[:200]})"
         warnings.warn(f"graphamp.convert's self-check was skipped: {problem}", PolicyDriftWarning, stacklevel=3)
         return SelfCheck(ok=True, grads=False, seconds=time.perf_counter() - start, problem=problem)
     try:
         amp_args, amp_kwargs = fp32_interface((args, kwargs)) if spec.keep_io_types else (args, kwargs)
-        got = outcome(lambda: amp(*amp_args, **amp_kwargs), model, grads=grads, no_grad=spec.inference)
+        got = outcome(lambda: amp(*amp_args, **amp_kwargs), model, grads=grads, no_grad=spec.inference, inputs=(amp_args, amp_kwargs))
     except Exception as e:
         raise PolicyDriftError(
             f"graphamp.convert's self-check: the converted {type(model).__name__} fails on the example that eager "
@@ -96,8 +96,8 @@ def check_against_eager(
     if not problem and not spec.inference:
         # Inference usually runs under no_grad, where kernels may choose by requires_grad
         # (matmul's fold): the forward is compared there too.
-        ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True)
-        got = outcome(lambda: amp(*amp_args, **amp_kwargs), model, grads=False, no_grad=True)
+        ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True, inputs=(args, kwargs))
+        got = outcome(lambda: amp(*amp_args, **amp_kwargs), model, grads=False, no_grad=True, inputs=(amp_args, amp_kwargs))
         problem = difference(got, ref, keep_io_types=spec.keep_io_types)
         if problem:
             # Exact with grad, which is what the graph holds; eager takes another path only without
@@ -183,7 +183,7 @@ def _torch_compile_verdict(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            theirs = outcome(lambda: autocast_call(compiled, args, kwargs, spec), model, grads=grads, no_grad=spec.inference)
+            theirs = outcome(lambda: autocast_call(compiled, args, kwargs, spec), model, grads=grads, no_grad=spec.inference, inputs=(args, kwargs))
     except Exception:  # torch.compile alone cannot run it: no comparison, the generic message stands
         return ""
     if not difference(got, theirs, keep_io_types=False):

@@ -307,3 +307,46 @@ def test_a_correct_model_warns_nothing(grad):
         with torch.autocast("cpu", dtype=BF16):
             ref = model(x)
     assert torch.equal(out, ref)
+
+
+# The eager run of a frame leaves the caller's tensors alone
+
+class WritesItsArgument(nn.Module):
+    """After the break, dynamo compiles a resume function whose argument ``h`` the code writes in
+    place (Higgs Audio's ``hidden_states[mask] += mlp(...)``): the backend's eager run of that frame
+    must not write the tensor the real call then writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        h += self.b(h)
+        return h
+
+
+@pytest.mark.parametrize("ambient", [True, False], ids=["in_autocast", "outside_autocast"])
+def test_a_frame_that_writes_its_argument_in_place_is_run_once(ambient):
+    model, x = WritesItsArgument().eval(), torch.randn(4, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        want = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckSkippedWarning)
+        warnings.simplefilter("ignore", EagerPathWarning)  # outside autocast: the code between graphs
+        with torch.no_grad(), torch.autocast("cpu", dtype=BF16, enabled=ambient):
+            got = compiled(model)(x)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_the_eager_runs_arguments_are_copies_that_keep_their_aliasing():
+    from graphamp.backend.observe import Frame, _fresh_arguments
+
+    base = torch.randn(4, 8)
+    view, param, leaf = base[1:3], nn.Parameter(torch.randn(2)), torch.randn(2, requires_grad=True)
+    (b, v, p), kw = _fresh_arguments(Frame(lambda *a, **k: None, (base, view, param), {"leaf": leaf}))
+    assert torch.equal(b, base) and torch.equal(v, view) and b.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    v.add_(1)  # the copy of the view writes the copy of the base, and nothing of the caller's
+    assert torch.equal(b[1:3], v) and not torch.equal(b, base)
+    assert p is param and kw["leaf"] is leaf  # parameters and leaves that require grad: as they are

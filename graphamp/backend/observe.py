@@ -32,7 +32,7 @@ from torch.fx import GraphModule
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from graphamp.eager import state_restored
+from graphamp.eager import fresh_tensor, state_restored
 from graphamp.node_info import graph_info
 from graphamp.passes.follow_eager_attention import SDPA, repeated_heads
 from graphamp.probe import SdpaCall, eager_sdpa_calls
@@ -201,10 +201,14 @@ def _filled(cell: types.CellType) -> bool:
     return True
 
 
-def _fresh(value: Any) -> Any:
+def _fresh(value: Any, storages: dict[Any, torch.UntypedStorage]) -> Any:
     """An argument the eager run may change, copied: a Hugging Face key/value cache grows when the
-    frame runs, and dynamo's guards on it would then fail ("Guard failed on the same frame")."""
-    if value is None or isinstance(value, (torch.Tensor, nn.Module, int, float, bool, str, bytes, torch.dtype, torch.device)) or callable(value):
+    frame runs, and dynamo's guards on it would then fail ("Guard failed on the same frame"); a
+    tensor may be written in place (``hidden_states[mask] += x``), and the call that compiles the
+    frame then runs it on the same tensor (:func:`graphamp.eager.fresh_tensor`)."""
+    if isinstance(value, torch.Tensor):
+        return fresh_tensor(value, storages)
+    if value is None or isinstance(value, (nn.Module, int, float, bool, str, bytes, torch.dtype, torch.device)) or callable(value):
         return value
     try:
         return copy.deepcopy(value)
@@ -213,7 +217,10 @@ def _fresh(value: Any) -> Any:
 
 
 def _fresh_arguments(frame: Frame) -> tuple[tuple, dict[str, Any]]:
-    return pytree.tree_map(_fresh, (tuple(frame.args), dict(frame.kwargs)))
+    """The frame's arguments for an eager run, copied where it could change them (the substitutes
+    of :func:`eager_backward` are leaves that require grad: passed as they are)."""
+    storages: dict[Any, torch.UntypedStorage] = {}
+    return pytree.tree_map(lambda v: _fresh(v, storages), (tuple(frame.args), dict(frame.kwargs)))
 
 
 def eager_frame_sdpa_calls(frame: Frame, *, device_type: str, dtype: torch.dtype) -> list[SdpaCall] | None:
