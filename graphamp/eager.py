@@ -16,7 +16,8 @@ of the process is the user's: graphamp puts each back as it found it.
 
 "Every generator" is the CPU default generator and, for the process's accelerator (CUDA, XPU,
 MPS, a PrivateUse1 device) where it is initialized, each of its devices' default generators;
-and XLA's, where ``torch_xla`` is loaded. An accelerator that is present but not initialized holds
+XLA's, where ``torch_xla`` is loaded; and Python's global ``random`` generator and numpy's, which
+model code draws from too (they are restored, never seeded). An accelerator that is present but not initialized holds
 no state of the user's yet, and graphamp neither initializes it nor seeds it: not with
 ``torch.manual_seed``, which queues a seed on a CUDA not yet initialized that lands when the user
 initializes it, and not with ``torch.random.fork_rng(devices=[])``, which keeps the CPU
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -52,7 +54,7 @@ from graphamp.policy import LOW_DTYPES
 from graphamp.spec import AmpSpec, autocast_off
 
 __all__ = [
-    "Outcome", "RngState", "autocast_call", "difference", "difference_without", "equal", "fixed_loss", "fp32_interface", "fresh_tensor", "holds_values",
+    "Outcome", "RngState", "autocast_call", "difference", "difference_without", "equal", "fixed_loss", "fp32_interface", "fresh_tensor", "holds_values", "host_draws_found", "host_random_state",
     "inputs_copied", "inputs_restored", "outcome", "rng_kept", "same_start", "state_restored",
 ]
 
@@ -80,6 +82,7 @@ class RngState:
         self.devices = [module.get_rng_state(i) for i in range(module.device_count())] if module is not None else []
         self.xla = _xla_model()
         self.xla_seed = self.xla.get_rng_state() if self.xla is not None else None
+        self.host = host_random_state()
 
     def restore(self) -> None:
         """Put every generator of the snapshot back in the state it was taken in."""
@@ -88,6 +91,7 @@ class RngState:
             self.accelerator.set_rng_state(state, i)
         if self.xla is not None:
             self.xla.set_rng_state(self.xla_seed)
+        _set_host_random_state(self.host)
 
     def seed(self, seed: int) -> None:
         """Seed every generator of the snapshot (and no other) with ``seed``: on the CPU, the
@@ -98,6 +102,44 @@ class RngState:
             seed_all(seed)
         if self.xla is not None:
             self.xla.set_rng_state(seed)
+
+
+def host_random_state() -> tuple[Any, Any]:
+    """The state of Python's global ``random`` generator and, where the process has loaded numpy,
+    numpy's global one: model code draws from them too (BigBird's random attention blocks,
+    wav2vec2's SpecAugment masks). graphamp neither seeds them nor imports numpy."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+
+
+def _set_host_random_state(state: tuple[Any, Any]) -> None:
+    python, numpy_state = state
+    random.setstate(python)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and numpy_state is not None:
+        numpy.random.set_state(numpy_state)
+
+
+def _same_host_random_state(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    (python_a, numpy_a), (python_b, numpy_b) = a, b
+    if python_a != python_b:
+        return False
+    if numpy_a is None or numpy_b is None:
+        return numpy_a is numpy_b
+    # ('MT19937', keys, pos, has_gauss, cached_gaussian)
+    return all((x == y).all() if hasattr(x, "all") else x == y for x, y in zip(numpy_a, numpy_b))
+
+
+@contextlib.contextmanager
+def host_draws_found() -> Iterator[list[bool]]:
+    """Yields a list that holds ``True`` after the block if it drew from Python's or numpy's global
+    generator (see :func:`host_random_state`); the generators are put back either way."""
+    before, found = host_random_state(), []
+    try:
+        yield found
+    finally:
+        found.append(not _same_host_random_state(before, host_random_state()))
+        _set_host_random_state(before)
 
 
 @contextlib.contextmanager

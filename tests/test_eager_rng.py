@@ -241,3 +241,62 @@ def test_only_graphamp_eager_touches_generators():
         (pending if rel in _PENDING else offenders).update({rel: uses} if uses else {})
     assert not offenders, f"use graphamp.eager.rng_kept / RngState instead: {offenders}"
     assert set(pending) == set(_PENDING), f"converted: remove from _PENDING: {set(_PENDING) - set(pending)}"
+
+
+# (5) Python's and numpy's global generators: restored, never seeded; a draw from them is not
+# captured into a graph.
+
+
+class DrawsFromNumpy(nn.Module):
+    """Picks columns with numpy's global generator, as BigBird's random attention blocks and
+    wav2vec2's SpecAugment masks do in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import numpy as np
+
+        return self.lin(x[:, torch.from_numpy(np.random.permutation(x.shape[1])[:4])])
+
+
+def _host_state():
+    import random
+
+    import numpy as np
+
+    return random.getstate(), np.random.get_state()[1].copy(), np.random.get_state()[2]
+
+
+def test_convert_leaves_pythons_and_numpys_generators():
+    import random
+
+    import numpy as np
+
+    random.seed(7)
+    np.random.seed(7)
+    before = _host_state()
+    graphamp.convert(DrawsFromNumpy(), (torch.randn(2, 8),), dtype=torch.bfloat16)
+    after = _host_state()
+    assert after[0] == before[0] and (after[1] == before[1]).all() and after[2] == before[2]
+
+
+def test_a_model_that_draws_from_numpy_draws_anew_on_every_call():
+    import numpy as np
+
+    model, x = DrawsFromNumpy(), torch.randn(2, 8)
+    amp = graphamp.convert(model, (x,), dtype=torch.bfloat16)
+    assert isinstance(amp, graphamp.DynamoAmpModule)  # one graph would repeat the conversion's draw
+    np.random.seed(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = [model(x) for _ in range(3)]
+    np.random.seed(5)
+    got = [amp(x) for _ in range(3)]
+    assert not torch.equal(want[0], want[1])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_export_refuses_a_draw_from_numpy_and_names_it():
+    with pytest.raises(graphamp.CaptureError, match="numpy's global random generator"):
+        graphamp.export(DrawsFromNumpy(), (torch.randn(2, 8),), dtype=torch.bfloat16)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from graphamp.shared_state import capture_lock
-from graphamp.capture.export import _describe, dynamic_shapes, _export, _is_retryable, _model_conditions, _model_ranges, _unregistered_output
+from graphamp.capture.export import _describe, dynamic_shapes, _export, _is_retryable, _model_conditions, _model_ranges, _unregistered_output, host_draws_refused
 from graphamp.capture.functions import _bind_kept_functions
 from graphamp.capture.torchscript import script_graph
 from graphamp.node_info import graph_info
@@ -72,12 +72,13 @@ def capture(
         # tensor the model computes without grad (a position bias) requires grad at run time, which
         # can change eager's kernel (CPU SDPA takes its math path for a mask that requires grad).
         with capture_lock(), torch.enable_grad() if grads else contextlib.nullcontext():
-            try:
-                ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
-            except Exception as e:
-                if not _cache_pytrees_registered(model, e):
-                    raise
-                ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
+            with host_draws_refused(model):
+                try:
+                    ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
+                except Exception as e:
+                    if not _cache_pytrees_registered(model, e):
+                        raise
+                    ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
     except GraphampError:
         raise
     except Exception as e:

@@ -19,6 +19,8 @@ from torch.utils import _pytree as pytree
 
 from graphamp.capture.functions import _FunctionKeeper
 from graphamp.capture.kernels import eager_kernel_metas
+from graphamp.eager import host_draws_found
+from graphamp.errors import CaptureError
 from graphamp.runtime import size_condition_holds
 from graphamp.shared_state import capture_lock, printed_output_held
 from graphamp.spec import ambient_autocast
@@ -362,4 +364,23 @@ def _partial_graphs(e: BaseException | None) -> set[str]:
         e = e.__cause__ or e.__context__
     return dumps
 
+
+@contextlib.contextmanager
+def host_draws_refused(model: nn.Module) -> Iterator[None]:
+    """A :class:`CaptureError` after the block where the model's code drew from Python's or numpy's
+    global random generator while traced (the generators are put back): a graph holds the draw as
+    constants, so every call would repeat it where eager draws anew. convert then compiles the
+    model with graph breaks instead (``graphamp.capture.dynamo``), whose Python draws on each call."""
+    with host_draws_found() as drew:
+        yield
+    if drew[0]:
+        raise CaptureError(
+            f"graphamp could not capture {type(model).__name__} as one graph: its code draws from Python's or "
+            "numpy's global random generator (np.random.permutation, random.random, ...; BigBird's random "
+            "attention blocks and wav2vec2's SpecAugment masks do in training), and a graph would hold this one "
+            "draw as constants, repeated on every call where eager draws anew. Way out: graphamp.convert compiles "
+            "such a model with torch.compile(backend=\"graphamp\") instead, whose Python draws on every call; "
+            "graphamp.export cannot keep the draw: export the model in eval mode or with that randomness off, "
+            "or draw with torch (torch.randperm), which a graph keeps as a random op"
+        )
 

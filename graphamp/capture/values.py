@@ -38,6 +38,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from graphamp.shared_state import capture_lock
+from graphamp.capture.export import host_draws_refused
 from graphamp.capture.functions import _FunctionKeeper
 from graphamp.eager import RngState
 from graphamp.errors import CaptureError
@@ -78,7 +79,7 @@ def capture_by_values(
     rng = RngState()
     try:
         with (
-            capture_lock(), state_restored(model), ambient_autocast(device_type, dtype), keeper,
+            capture_lock(), state_restored(model), host_draws_refused(model), ambient_autocast(device_type, dtype), keeper,
             torch.enable_grad() if grads else contextlib.nullcontext(), one_fake_mode_while_tracing((state, flat)),
         ):
             traced = make_fx(
