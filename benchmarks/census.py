@@ -605,8 +605,6 @@ def _seed_all(seed: int) -> None:
 def _train_run(model: Any, state: dict[str, Any], call: Callable[..., Any], inputs: tuple) -> tuple[Any, dict[str, Any]]:
     """``call`` on ``inputs`` in train mode from ``state``, seeded right before the call: outputs
     and every parameter's gradient of the census's loss."""
-    import torch
-
     _load_train(model, state)
     args, kwargs = _clone(inputs)
     _seed_all(0)
