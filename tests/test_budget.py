@@ -187,7 +187,7 @@ def test_a_transformers_bert_within_its_budget_on_both_batches(monkeypatch):
     """End to end on model code graphamp did not write: transformers' BERT (small config, random
     weights), the default budget, training (outputs and gradients count)."""
     pytest.importorskip("transformers")
-    from graphamp.autotune.accuracy import _outputs_and_grads_of, checked_params
+    from graphamp.autotune.accuracy import outputs_and_grads_of, checked_params
     from graphamp.spec import AmpSpec
     from graphamp.testing import zoo
 
@@ -202,8 +202,8 @@ def test_a_transformers_bert_within_its_budget_on_both_batches(monkeypatch):
     spec = AmpSpec.resolve(model, (args, kwargs), dtype=torch.bfloat16, mode="budget")
     params = checked_params(model, spec)
     held_args, held_kwargs = budget_module.held_back(args, kwargs)
-    ref = _outputs_and_grads_of(model, model, held_args, held_kwargs, params)
-    got = _outputs_and_grads_of(amp, model, held_args, held_kwargs, params)
+    ref = outputs_and_grads_of(model, model, held_args, held_kwargs, params)
+    got = outputs_and_grads_of(amp, model, held_args, held_kwargs, params)
     assert relative_error(got, ref) == pytest.approx(plan.error[1], rel=1e-6)
     # Its parameters are the model's: a step trains the model.
     out = amp(*args, **kwargs)

@@ -24,7 +24,7 @@ from graphamp.policy import short_dtype
 from graphamp.eager import state_restored
 from graphamp.spec import AmpSpec, ambient_autocast
 
-__all__ = ["checked_params", "errors_against_fp32", "no_less_accurate", "relative_error"]
+__all__ = ["checked_params", "errors_against_fp32", "no_less_accurate", "outputs_and_grads_of", "relative_error"]
 
 
 def no_less_accurate(
@@ -86,11 +86,11 @@ def errors_against_fp32(programs: dict[str, nn.Module], model: nn.Module, args: 
     """:func:`relative_error` of each program on the example against the model in fp32, and of eager
     autocast under the key ``"autocast"``: the measure of :func:`no_less_accurate`."""
     params = checked_params(model, spec)
-    ref = _outputs_and_grads_of(model, model, args, kwargs, params)
+    ref = outputs_and_grads_of(model, model, args, kwargs, params)
     with ambient_autocast(spec.device_type, spec.dtype):
-        errors = {"autocast": relative_error(_outputs_and_grads_of(model, model, args, kwargs, params), ref)}
+        errors = {"autocast": relative_error(outputs_and_grads_of(model, model, args, kwargs, params), ref)}
     for name, program in programs.items():
-        errors[name] = relative_error(_outputs_and_grads_of(program, model, args, kwargs, params), ref)
+        errors[name] = relative_error(outputs_and_grads_of(program, model, args, kwargs, params), ref)
     return errors
 
 
@@ -98,7 +98,9 @@ def checked_params(model: nn.Module, spec: AmpSpec) -> list[torch.Tensor]:
     return [] if spec.inference else [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
 
 
-def _outputs_and_grads_of(program: nn.Module, model: nn.Module, args: tuple, kwargs: dict, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
+def outputs_and_grads_of(program: nn.Module, model: nn.Module, args: tuple, kwargs: dict, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
+    """``program`` on the example, seeded, ``model``'s buffers and random state restored after: its
+    floating outputs and the gradients of ``params`` (what :func:`relative_error` compares)."""
     with state_restored(model):  # buffers and RNG as they were, after
         return _seeded(lambda: _outputs_and_grads(lambda: program(*args, **kwargs), params))
 

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from graphamp import hardware
-from graphamp.autotune.accuracy import _outputs_and_grads_of, checked_params, relative_error
+from graphamp.autotune.accuracy import outputs_and_grads_of, checked_params, relative_error
 from graphamp.autotune.compiled import MARGIN, program_call, time_programs
 from graphamp.autotune.plan import BudgetPlan, BudgetStep
 from graphamp.eager import state_restored
@@ -148,15 +148,15 @@ def within_budget(
     batches = {"example": (tuple(args), dict(kwargs)), "held-back": held_back(args, kwargs)}
     refs, autocast_err = {}, []
     for name, (a, k) in batches.items():
-        refs[name] = _outputs_and_grads_of(model, model, a, k, params)
+        refs[name] = outputs_and_grads_of(model, model, a, k, params)
         with ambient_autocast(spec.device_type, spec.dtype, cache_enabled=spec.cache_enabled):
-            autocast_err.append(relative_error(_outputs_and_grads_of(model, model, a, k, params), refs[name]))
+            autocast_err.append(relative_error(outputs_and_grads_of(model, model, a, k, params), refs[name]))
     budget = spec.config.error_budget
     caps = (budget, budget) if budget is not None else tuple(BUDGET_FACTOR * e for e in autocast_err)
 
     def errors(program: nn.Module) -> tuple[float, float]:
         return tuple(
-            relative_error(_outputs_and_grads_of(program, model, a, k, params), refs[name]) for name, (a, k) in batches.items()
+            relative_error(outputs_and_grads_of(program, model, a, k, params), refs[name]) for name, (a, k) in batches.items()
         )
 
     def runnable(program: nn.Module) -> nn.Module:

@@ -94,7 +94,7 @@ def _module_row(m: ModuleRecord, dtype: str) -> str:
     if m.own_local_overflow:
         badges += f'<span class="badge inf" title="{m.own_local_overflow} values overflow {dtype} in this module from finite inputs">overflows {m.own_local_overflow}</span>'
     elif m.local_overflow:
-        badges += f'<span class="badge inf" style="background:#fff;color:#d03b3b;border:1px solid #d03b3b" title="a submodule overflows">overflow inside</span>'
+        badges += '<span class="badge inf" style="background:#fff;color:#d03b3b;border:1px solid #d03b3b" title="a submodule overflows">overflow inside</span>'
     elif m.overflow:
         badges += f'<span class="badge inf" style="opacity:.55" title="inf/nan arriving from upstream">inf {m.overflow}</span>'
     if m.kept_fp32:
