@@ -251,6 +251,8 @@ def fresh_tensor(t: torch.Tensor, storages: dict[Any, torch.UntypedStorage]) -> 
         or t.layout is not torch.strided or t.is_quantized or t.is_nested
     ):
         return t
+    if t.is_conj() or t.is_neg():  # a lazy conjugate or negation is a bit of the view, not of its storage
+        return t.clone()
     storage = t.untyped_storage()
     key = (storage.data_ptr(), storage.nbytes(), t.device) if storage.nbytes() else id(t)
     if key not in storages:

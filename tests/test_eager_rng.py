@@ -300,3 +300,15 @@ def test_a_model_that_draws_from_numpy_draws_anew_on_every_call():
 def test_export_refuses_a_draw_from_numpy_and_names_it():
     with pytest.raises(graphamp.CaptureError, match="numpy's global random generator"):
         graphamp.export(DrawsFromNumpy(), (torch.randn(2, 8),), dtype=torch.bfloat16)
+
+
+def test_inputs_copied_keeps_values_views_and_lazy_bits():
+    from graphamp.eager import inputs_copied
+
+    base = torch.randn(4, 4)
+    conj = torch.randn(3, dtype=torch.complex64).conj()  # a lazy conjugate: a bit of the view
+    (b, t, c), _ = inputs_copied(((base, base.t(), conj), {}))
+    assert torch.equal(b, base) and torch.equal(t, base.t()) and t.stride() == base.t().stride()
+    assert torch.equal(c, conj)
+    b.add_(1)  # the transposed copy views the copied base
+    assert torch.equal(t, b.t()) and not torch.equal(b, base)
