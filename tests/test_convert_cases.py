@@ -258,3 +258,10 @@ def test_a_model_that_writes_its_input_converts_exactly_and_leaves_the_example_a
         want = model(theirs)
     got = amp(mine)
     assert torch.equal(got, want) and torch.equal(mine, theirs)  # the call writes the input once, as eager does
+
+
+def test_verify_runs_each_side_from_the_same_input_values():
+    model, x = WritesItsInput().eval(), torch.randn(4, 8)
+    before = x.clone()
+    assert graphamp.verify(model, (x,), dtype=torch.bfloat16).ok
+    assert torch.equal(x, before)

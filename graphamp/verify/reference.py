@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from graphamp.spec import ambient_autocast
 from graphamp.config import Config
-from graphamp.eager import rng_kept
+from graphamp.eager import inputs_restored, rng_kept
 from graphamp.emit import AmpModule
 from graphamp.errors import PolicyDriftError
 from graphamp.runtime import WeightCache
@@ -149,15 +149,20 @@ def _run_real(
     amp, notes = (amp, []) if amp is not None else _convert(model, args, kwargs, dtype, device_type, mode, config, build)
     cache_enabled = (config or Config()).cache_enabled
     # Same random stream on both sides, so dropout draws the same masks.
+    # Each run starts from the same input values (a model may write its inputs in place).
+    inputs = (args, kwargs)
     with rng_kept() as start, torch.enable_grad():
-        with torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled):
+        with inputs_restored(inputs), torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled):
             ref = _detached(model(*args, **kwargs))
         start.restore()
-        out = _detached(amp(*args, **kwargs))
+        with inputs_restored(inputs):
+            out = _detached(amp(*args, **kwargs))
         start.restore()
-        eager_graph = _eager_graph(model, args, kwargs, device_type, dtype, cache_enabled=cache_enabled)
+        with inputs_restored(inputs):
+            eager_graph = _eager_graph(model, args, kwargs, device_type, dtype, cache_enabled=cache_enabled)
         start.restore()
-        graphamp_graph = _lowered_graph(amp, args, kwargs)
+        with inputs_restored(inputs):
+            graphamp_graph = _lowered_graph(amp, args, kwargs)
     return _Sides(amp, out, ref, graphamp_graph, eager_graph, notes)
 
 
