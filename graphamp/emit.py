@@ -36,7 +36,7 @@ from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
 from graphamp.model_state import ModelState
 from graphamp.model_binding import graph_reads, in_model_order, share_state, signed_forward, training_as
-from graphamp.eager import difference_without
+from graphamp.eager import difference_without, inputs_copied
 from graphamp.shared_state import in_capture
 from graphamp.inputs import (  # is_all_ones too: graphamp.pipeline imports it from here
     ALL_ONES_AS_NONE, ALL_ONES_PROVEN, MAX_ALL_ONES_PROVEN, all_ones_key, describe_signature, input_guard, input_signature,
@@ -226,7 +226,9 @@ class AmpModule(GraphModule):
         """``model`` converted with ``spec`` in the given training mode by the engine this module was
         emitted with, checked as convert checked this module (raising, or warning where convert
         warned); a conversion that fails is ``error``, naming ``what`` it was for."""
-        # Captured in the grad mode its calls run in: the model's code may read it.
+        # Captured in the grad mode its calls run in: the model's code may read it. On a copy of the
+        # call's inputs, which the call itself then takes (a model may write its inputs in place).
+        args, kwargs = inputs_copied((args, kwargs))
         with training_as(model, training), torch.inference_mode(False), torch.set_grad_enabled(not spec.no_grad):
             try:
                 return self._engine()(model, args, kwargs, spec, (peek_graph_info(self) or GraphInfo()).self_check)

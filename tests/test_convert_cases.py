@@ -265,3 +265,17 @@ def test_verify_runs_each_side_from_the_same_input_values():
     before = x.clone()
     assert graphamp.verify(model, (x,), dtype=torch.bfloat16).ok
     assert torch.equal(x, before)
+
+
+def test_converting_again_on_a_call_leaves_that_calls_inputs_to_the_call():
+    torch.manual_seed(0)
+    model = WritesItsInput().eval()
+    amp = graphamp.convert(model, (torch.randn(4, 8),), dtype=torch.bfloat16)
+    amp.train()  # the next call converts again, in training mode, on that call's inputs
+    model.train()
+    x = torch.randn(4, 8)
+    mine, theirs = x.clone(), x.clone()
+    got = amp(mine)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(theirs)
+    assert torch.equal(got, want) and torch.equal(mine, theirs)
