@@ -70,6 +70,10 @@ CITED = (
     Cited("bench-2026-11-29-avx2-train-budget.json", "Speed: budget mode, training step, bf16 emulated (AVX2)", "86e2055",
           "The bench's BERT-like model: forward, backward and AdamW step, the uncompiled budget variant (its search "
           "counts the gradients' error too) beside autotune, fp32 and `torch.compile` in fp32."),
+    Cited("bench-2026-11-29-avx2-infer-fp16.json", "Speed: inference, fp16 emulated (AVX2)", "bead8ae",
+          "Eval under `no_grad` on two bench models, on an AMD EPYC with AVX2 only (fp16 emulated): "
+          "`torch.compile` in fp32 (with and without freezing), compiled autocast and compiled pure fp16 beside "
+          "graphamp exact and its compiled autotune and budget variants."),
     Cited("bench-2026-11-28j-train-bf16.json", "Speed: training step, bf16", "0439eb9",
           "Forward, backward and AdamW step; every variant of the task."),
     Cited("bench-2026-11-28j-forward-bf16.json", "Speed: eval forward with grad, bf16", "0439eb9",
