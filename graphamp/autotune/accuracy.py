@@ -21,7 +21,7 @@ from graphamp.eager import rng_kept
 from graphamp.node_info import GraphInfo, graph_info, peek_graph_info
 from graphamp.autotune.plan import AutotunePlan
 from graphamp.policy import short_dtype
-from graphamp.eager import state_restored
+from graphamp.eager import inputs_restored, state_restored
 from graphamp.spec import AmpSpec, ambient_autocast
 
 __all__ = ["checked_params", "errors_against_fp32", "no_less_accurate", "outputs_and_grads_of", "relative_error"]
@@ -100,8 +100,9 @@ def checked_params(model: nn.Module, spec: AmpSpec) -> list[torch.Tensor]:
 
 def outputs_and_grads_of(program: nn.Module, model: nn.Module, args: tuple, kwargs: dict, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
     """``program`` on the example, seeded, ``model``'s buffers and random state restored after: its
-    floating outputs and the gradients of ``params`` (what :func:`relative_error` compares)."""
-    with state_restored(model):  # buffers and RNG as they were, after
+    floating outputs and the gradients of ``params`` (what :func:`relative_error` compares). The
+    inputs it writes in place are put back, so every program runs from the same values."""
+    with state_restored(model), inputs_restored((args, kwargs)):  # buffers, RNG and inputs as they were, after
         return _seeded(lambda: _outputs_and_grads(lambda: program(*args, **kwargs), params))
 
 

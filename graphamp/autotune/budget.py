@@ -45,7 +45,7 @@ from graphamp import hardware
 from graphamp.autotune.accuracy import outputs_and_grads_of, checked_params, relative_error
 from graphamp.autotune.compiled import MARGIN, program_call, time_programs
 from graphamp.autotune.plan import BudgetPlan, BudgetStep
-from graphamp.eager import state_restored
+from graphamp.eager import inputs_restored, state_restored
 from graphamp.node_info import graph_info, info, peek
 from graphamp.policy import Category, op_key, short_dtype
 from graphamp.runtime import autocast_op
@@ -187,7 +187,7 @@ def within_budget(
         if over:
             steps.append(BudgetStep(key, count, tried, False, *err, None, f"{to}: over the budget ({'; '.join(over)})"))
             continue
-        with state_restored(model):
+        with state_restored(model), inputs_restored((args, kwargs)):  # the example as it was, after
             samples = time_programs(
                 {"before": program_call(current_run, args, kwargs, params), "after": program_call(run, args, kwargs, params)},
                 rounds=ROUNDS,
@@ -208,7 +208,7 @@ def within_budget(
         record = peek(node)
         if not (record is not None and record.cast) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             key = op_key(node.target)
-            if key in overrides and "budget plan" in (record.reason if record is not None else ""):
+            if key in overrides and record is not None and "budget plan" in (record.reason or ""):
                 info(node).notes["budget"] = next(s.to_dict() for s in steps if s.op == key and s.kept)
                 info(node).reason = f"{overrides[key]} ({plan.reason(key)})"
     return current_run

@@ -32,7 +32,7 @@ from graphamp.policy import short_dtype
 from graphamp.spec import AmpSpec
 from graphamp.autotune.accuracy import checked_params, errors_against_fp32
 from graphamp.compiled import compile_converted
-from graphamp.eager import state_restored
+from graphamp.eager import inputs_restored, state_restored
 from graphamp.pipeline import replay
 
 __all__ = ["MARGIN", "candidate_plans", "fastest_compiled", "pick", "program_call", "ratios_to_plan", "time_programs"]
@@ -128,7 +128,7 @@ def fastest_compiled(
 
     samples: dict[str, list[float]] = {}
     if len(compiled) > 1:
-        with state_restored(model):
+        with state_restored(model), inputs_restored((args, kwargs)):  # the example as it was, after
             samples = time_programs({name: run(cm) for name, cm in compiled.items()})
     best = pick(samples) if samples else "plan"
     chosen = compiled[best]
@@ -168,7 +168,7 @@ def _cpp_wrapper_if_faster(
     if not getattr(cpp, "runs_compiled", False):
         notes.append("C++ wrapper: refused")
         return cm
-    with state_restored(model):
+    with state_restored(model), inputs_restored((args, kwargs)):  # the example as it was, after
         samples = time_programs({"plan": run(cm), "C++ wrapper": run(cpp)})
     ratio = ratios_to_plan(samples)["C++ wrapper"]
     kept = pick(samples) == "C++ wrapper"
