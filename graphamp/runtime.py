@@ -328,9 +328,11 @@ def restored_on_refusal(root: nn.Module, buffers: Sequence[str], rng: bool) -> I
 
 def _random_state() -> Callable[[], None]:
     """What puts every random generator back as it is now: the CPU's, each device's of the
-    accelerator where it is initialized, XLA's where torch_xla is loaded. The same generators as
+    accelerator where it is initialized, XLA's where torch_xla is loaded. The same torch generators as
     ``graphamp.eager.RngState`` (``tests/test_eager_rng.py`` checks both), read here because the
-    runtime imports no compile-time module (``graphamp.eager`` will run models)."""
+    runtime imports no compile-time module (``graphamp.eager`` will run models). Not Python's or
+    numpy's global generators, which RngState also keeps: a graph never draws from them (the capture
+    refuses a model that does)."""
     cpu = torch.default_generator.get_state()
     device = torch.accelerator.current_accelerator()
     module = torch.get_device_module(device.type) if device is not None else None
