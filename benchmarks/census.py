@@ -40,7 +40,8 @@ Each record keeps its CPU seconds (``cpu_s``: the worker's, and each check's) an
 worker past its time limit has its Python stack dumped twice a few seconds apart (faulthandler on
 SIGUSR1) before it is killed: ``"kind": "hang"`` where it used little CPU in between or its stack
 did not change, ``"slow"`` otherwise, with its innermost frames under ``stack``; ``--rerun-slow
-LIMIT`` runs the slow ones again with a longer limit. ``--resume`` refuses a results file written at
+LIMIT`` runs the slow ones again with a longer limit. The limit counts running time only: a run
+paused with ``kill -STOP`` (census or worker) makes no time-outs. ``--resume`` refuses a results file written at
 another commit (one table, one commit) unless ``--allow-mixed``.
 
     scripts/census                                   # everything, resumable: --resume
@@ -923,6 +924,20 @@ def proc_cpu_seconds(pid: int) -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def proc_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (state T: SIGSTOP, or a debugger), not running or waiting."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] in ("T", "t")
+
+
+# A poll of the worker that returns this many seconds later than it slept: the census itself was
+# stopped (or the machine suspended) meanwhile, and that time is not the worker's.
+STOPPED_GAP = 5.0
+
+
 def _dump_stack(pid: int, path: Path, wait: float = 2.0) -> str:
     """Ask the worker for its stacks (SIGUSR1) and return what it wrote; "" if nothing came."""
     before = path.stat().st_size if path.exists() else 0
@@ -979,15 +994,22 @@ def run_limited(cmd: list[str], timeout: float, log: Path, stack_file: Path | No
 
     Returns ``{"code": exit code or None, "cpu_s": its CPU seconds (from wait4, children included)}``,
     plus ``diagnose_timeout``'s findings where it timed out (then it is killed, group and all).
+    The limit counts the time both ran: time the worker spent stopped (``kill -STOP``), or the
+    census itself was stopped, moves the deadline on, so pausing a run makes no time-outs.
     """
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline, pause, found = time.monotonic() + timeout, 0.02, None
+    polled = time.monotonic()
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now - polled > pause + STOPPED_GAP or proc_stopped(proc.pid):
+            deadline += now - polled
+        polled = now
+        if now >= deadline:
             found = diagnose_timeout(proc.pid, stack_file, sample)
             try:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -5,7 +5,9 @@ the checks beyond convert's self-check, on a tiny model (no census site, no tran
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -167,6 +169,50 @@ def test_a_timed_out_worker_is_a_hang_when_it_sleeps_and_slow_when_it_works(tmp_
     # A worker that finishes in time: its exit code and CPU time, no diagnosis.
     done = census.run_limited([sys.executable, "-c", "pass"], 30, tmp_path / "done.log")
     assert done["code"] == 0 and "kind" not in done
+
+
+_STOPS_ITSELF = """
+import os, signal, sys, time
+open(sys.argv[1], "w").write(str(os.getpid()))
+os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(0.3)
+"""
+
+
+def test_time_a_worker_spends_stopped_is_not_counted_against_its_limit(tmp_path: Path) -> None:
+    import signal
+    import threading
+
+    pid_file = tmp_path / "pid"
+
+    def resume_later() -> None:
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        while not census.proc_stopped(pid):
+            time.sleep(0.05)
+        time.sleep(2.5)  # stopped well past the 1.5 s limit
+        os.kill(pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=resume_later)
+    thread.start()
+    ran = census.run_limited([sys.executable, "-c", _STOPS_ITSELF, str(pid_file)], 1.5, tmp_path / "stopped.log")
+    thread.join()
+    assert ran["code"] == 0 and "kind" not in ran, ran
+
+
+def test_time_the_census_spends_stopped_is_not_counted_against_its_limit(tmp_path: Path, monkeypatch) -> None:
+    # The census stopped once for 3 s while polling (as `kill -STOP` on the whole run does).
+    real_sleep, slept = time.sleep, []
+
+    def sleep_stopped_once(seconds: float) -> None:
+        real_sleep(seconds + (3.0 if not slept else 0.0))
+        slept.append(seconds)
+
+    monkeypatch.setattr(census, "STOPPED_GAP", 1.0)
+    monkeypatch.setattr(census.time, "sleep", sleep_stopped_once)
+    ran = census.run_limited([sys.executable, "-c", "import time; time.sleep(3.5)"], 2.0, tmp_path / "gap.log")
+    assert slept and ran["code"] == 0 and "kind" not in ran, ran
 
 
 def test_slow_time_outs_are_picked_for_a_rerun() -> None:
