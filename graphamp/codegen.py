@@ -32,6 +32,8 @@ import torch
 from torch.fx import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphamp.eager import rng_kept
+
 __all__ = ["READ_METHOD", "binding_for", "bindings_of", "call_overloads_directly", "eager_body", "hoist_state_reads"]
 
 READ_METHOD = "_graphamp_read"
@@ -260,10 +262,12 @@ class _Record(TorchDispatchMode):
 
 def _same_dispatch(op: Any, fn: Any, args: tuple, kwargs: dict) -> bool:
     inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    # The probe runs the op: a factory (randn, dropout's bernoulli) on the CPU draws from the user's
+    # generators, which are put back (a model's own draws on its next call would differ from eager's).
     try:
-        with _Record(inputs) as want:
+        with rng_kept(), _Record(inputs) as want:
             op(*args, **kwargs)
-        with _Record(inputs) as got:
+        with rng_kept(), _Record(inputs) as got:
             fn(*args, **kwargs)
     except Exception:
         return False

@@ -80,11 +80,20 @@ def _x() -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
 
 
+@pytest.fixture
+def unprobed(monkeypatch):
+    """Emission's binding probes (``graphamp.codegen``) run each op once per argument kinds and
+    keep the answer for the process: emptied, so this test's ops are probed again."""
+    from graphamp import codegen
+
+    monkeypatch.setattr(codegen, "_BINDINGS", {})
+
+
 # (1) The CPU generator as the user left it, and no device generator seeded.
 
 
 @pytest.mark.parametrize("call", ["convert", "verify"])
-def test_convert_and_verify_leave_the_generators(call, no_accelerator_seed):
+def test_convert_and_verify_leave_the_generators(call, no_accelerator_seed, unprobed):
     model, x = _dropout_model(), _x()
     torch.manual_seed(1234)
     before = torch.get_rng_state()
@@ -95,6 +104,40 @@ def test_convert_and_verify_leave_the_generators(call, no_accelerator_seed):
         graphamp.verify(model, (x,), dtype=torch.bfloat16)
     assert torch.equal(torch.get_rng_state(), before)
     assert no_accelerator_seed == []
+
+
+class DrawsNoise(nn.Module):
+    """Draws its own noise when given none (UnivNet's vocoder does), at a size that follows the
+    batch; its code branches on the batch size, so a converted graph holds one batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(x.shape[0], 8)
+        y = self.proj(x + noise)
+        return y * 2 if x.shape[0] == 2 else y
+
+
+def test_a_conversion_for_new_inputs_leaves_the_draws_of_the_call_it_makes(unprobed):
+    # UnivNet converted at batch 2 and called at batch 1 differed from eager autocast: the call
+    # converted again, and probing the new randn's binding drew from the user's generator.
+    model = DrawsNoise().eval()
+    example, x = torch.randn(2, 8), torch.randn(1, 8)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    amp = graphamp.convert(model, (example,), dtype=torch.bfloat16)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x)
+    after = torch.get_rng_state()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        got = amp(x)  # converts again for batch 1, then runs
+    assert torch.equal(got, want)
+    assert torch.equal(torch.get_rng_state(), after)
 
 
 def test_train_step_first_call_draws_what_an_eager_step_draws(no_accelerator_seed):
