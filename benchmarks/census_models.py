@@ -163,8 +163,10 @@ SHRINKS = (
     Shrink("tiny, tied", 32, 2, True, tied=True),
     Shrink("layers only", None, None, False),
 )
-# Each shrink first with the main input alone, then with pixel_values too (BridgeTower needs both).
-HF_ATTEMPTS = tuple((s, pixels) for s in SHRINKS for pixels in (False, True))
+# Each shrink first with the main input alone, then with pixel_values too (BridgeTower needs both);
+# each of those with input_features as (batch, bins, frames) (Whisper, ...), then as (batch, frames,
+# bins) (UnivNet, ...): the second applies only to models that take input_features.
+HF_ATTEMPTS = tuple((s, pixels, frames_first) for s in SHRINKS for pixels in (False, True) for frames_first in (False, True))
 
 
 def _special_token_ids(d: dict[str, Any]) -> set[int]:
@@ -352,7 +354,7 @@ def _image(config: Any, b: int, seed: int) -> torch.Tensor:
     return torch.randn(b, channels, size, size, generator=_gen(seed))
 
 
-def _hf_input(name: str, config: Any, b: int, seed: int, main: str, seq: int = SEQ) -> torch.Tensor | None:
+def _hf_input(name: str, config: Any, b: int, seed: int, main: str, seq: int = SEQ, frames_first: bool = False) -> torch.Tensor | None:
     if name == "input_ids":
         return _token_ids(config, (b, seq), seed)
     if name == "decoder_input_ids":
@@ -366,7 +368,8 @@ def _hf_input(name: str, config: Any, b: int, seed: int, main: str, seq: int = S
     if name == "input_features":
         bins = _as_int(_find(config, "num_mel_bins", "feature_size", "input_feat_per_channel"), 80)
         frames = 2 * _as_int(_find(config, "max_source_positions"), 32)
-        return torch.randn(b, bins, frames, generator=_gen(seed + 4))
+        features = torch.randn(b, bins, frames, generator=_gen(seed + 4))
+        return features.transpose(1, 2).contiguous() if frames_first else features
     if name == "bbox":
         lo = torch.randint(0, 500, (b, seq, 2), generator=_gen(seed + 5))
         return torch.cat([lo, lo + torch.randint(0, 500, (b, seq, 2), generator=_gen(seed + 6))], -1)
@@ -375,7 +378,7 @@ def _hf_input(name: str, config: Any, b: int, seed: int, main: str, seq: int = S
     return None
 
 
-def _hf_make_inputs(model: nn.Module, config: Any, *, pixels: bool) -> MakeInputs:
+def _hf_make_inputs(model: nn.Module, config: Any, *, pixels: bool, frames_first: bool = False) -> MakeInputs:
     sig = inspect.signature(model.forward)
     main = getattr(model, "main_input_name", "input_ids")
     required = [
@@ -393,7 +396,7 @@ def _hf_make_inputs(model: nn.Module, config: Any, *, pixels: bool) -> MakeInput
     def make(b: int, seed: int = 0, seq: int | None = None) -> tuple[tuple, dict[str, Any]]:
         kwargs = {}
         for name in wanted:
-            t = _hf_input(name, config, b, seed=1000 * b + SEED_STRIDE * seed, main=main, seq=seq or SEQ)
+            t = _hf_input(name, config, b, seed=1000 * b + SEED_STRIDE * seed, main=main, seq=seq or SEQ, frames_first=frames_first)
             if t is None:
                 if name in required:
                     raise BuildError(f"no generic input for the required argument {name!r}")
@@ -436,7 +439,7 @@ def build_hf(model_type: str, attempt: int) -> Built:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    how, pixels = HF_ATTEMPTS[attempt]
+    how, pixels, frames_first = HF_ATTEMPTS[attempt]
     cls_name = _hf_class_name(model_type)
     cls = getattr(transformers, cls_name, None)
     if cls is None:
@@ -444,18 +447,20 @@ def build_hf(model_type: str, attempt: int) -> Built:
     params = inspect.signature(cls.forward).parameters
     if pixels and ("pixel_values" not in params or getattr(cls, "main_input_name", "input_ids") == "pixel_values"):
         raise NotApplicable("no optional pixel_values")
+    if frames_first and "input_features" not in params:
+        raise NotApplicable("no input_features")
     if how.tied:
         _tied_applies(model_type, cls, how)
     config = _hf_config(model_type, how)
     model = _seeded(lambda: cls(config)).eval()
-    note = how.label + (" + pixel_values" if pixels else "")
+    note = how.label + (" + pixel_values" if pixels else "") + (", input_features frames first" if frames_first else "")
     seq_input = getattr(model, "main_input_name", "input_ids") == "input_ids"  # input_ids always made
 
     def dropout_model() -> tuple[nn.Module, dict[str, float]]:
         kept = _hf_config(model_type, how, keep_dropout=True)
         return _seeded(lambda: cls(kept)).eval(), _dropout_values(kept.to_dict())
 
-    return Built(f"hf/{model_type}", model, _hf_make_inputs(model, config, pixels=pixels), cls_name, note, seq_input=seq_input, dropout_model=dropout_model)
+    return Built(f"hf/{model_type}", model, _hf_make_inputs(model, config, pixels=pixels, frames_first=frames_first), cls_name, note, seq_input=seq_input, dropout_model=dropout_model)
 
 
 def _dropout_values(d: dict[str, Any], prefix: str = "") -> dict[str, float]:

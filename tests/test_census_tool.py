@@ -324,3 +324,27 @@ def test_the_new_checks_see_a_module_that_differs_from_eager(monkeypatch: pytest
     assert (inputs["status"], inputs["case"], inputs["reported"]) == ("differ", "values", False), inputs
     assert [inputs["cases"][c]["status"] for c in ("values", "padded_mask", "longer")] == ["differ"] * 3
     assert (checks["dropout"]["status"], checks["dropout"]["reported"]) == ("differ", False), checks["dropout"]
+
+
+def test_input_features_are_tried_frames_first_where_bins_first_cannot_run() -> None:
+    # Whisper takes (batch, bins, frames), UnivNet (batch, frames, bins): the census tries the second
+    # layout only for models that take input_features, after the first failed.
+    pytest.importorskip("transformers")
+    import torch
+
+    models = census.census_models
+
+    def runs(name: str, attempt: int) -> bool:
+        built = models.build(name, attempt)
+        args, kwargs = built.make_inputs(models.BATCH)
+        try:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                built.model(*args, **kwargs)
+        except RuntimeError:
+            return False
+        return True
+
+    assert not runs("hf/univnet", 0)
+    assert runs("hf/univnet", 1) and models.build("hf/univnet", 1).make_inputs(2)[1]["input_features"].shape[1:] == (64, 100)
+    with pytest.raises(models.NotApplicable):
+        models.build("hf/bert", 1)

@@ -8,7 +8,6 @@ with a fake CUDA (``torch.cuda``'s generator API replaced) where a GPU would be 
 from __future__ import annotations
 
 import ast
-import contextlib
 from pathlib import Path
 
 import pytest
