@@ -66,6 +66,25 @@ def test_the_estimate_uses_this_runs_measurements():
     assert "s elapsed, about" in eta.line()
 
 
+def test_the_estimate_scales_to_the_model_being_prepared():
+    # A small model's compiles said little of a large one's: once the large one has compiled once,
+    # its own setups count, and a variant's rounds are known from its warm-up calls.
+    work = [(m, v, bench_progress.setup_kind(v, False)) for m in ("small", "large") for v in ("fp32", "graphamp_compiled", "graphamp_autotune_compiled")]
+    eta = bench_progress.Estimate(work, rounds=2)
+    for v, s in (("fp32", 0.1), ("graphamp_compiled", 2.0), ("graphamp_autotune_compiled", 6.0)):
+        eta.prepared("small", v, s)
+        eta.per_round("small", v, 0.1)
+    for v in ("fp32", "graphamp_compiled", "graphamp_autotune_compiled"):
+        for _ in range(2):
+            eta.timed("small", v)
+    eta.prepared("large", "fp32", 1.0)
+    eta.per_round("large", "fp32", 5.0)  # from its warm-up: large rounds
+    eta.prepared("large", "graphamp_compiled", 30.0)
+    eta.per_round("large", "graphamp_compiled", 5.0)
+    # The autotune variant's three compiles at the large model's 30 s; rounds at its variants' 5 s.
+    assert eta.left_s() == pytest.approx(3 * 30.0 + 3 * 2 * 5.0)
+
+
 @pytest.mark.parametrize("faster", [True, False])
 def test_a_compiled_alternative_gets_the_cpp_wrapper_where_it_wins(monkeypatch, faster):
     built = []

@@ -226,7 +226,10 @@ def _run(
                     with torch.no_grad():
                         first_out[v] = prepared[v].forward()
                 for _ in range(2):
+                    warm = time.perf_counter()
                     prepared[v].step()
+                # Its rounds, until measured below: a round calls it for about target_s, once at least.
+                eta.per_round(model_name, v, max(time.perf_counter() - warm, target_s))
             except Exception as e:  # a variant that cannot run is reported, not fatal
                 model_rows[v].status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
             model_rows[v].setup_s = time.perf_counter() - start

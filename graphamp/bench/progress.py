@@ -44,7 +44,10 @@ def setup_kind(variant: str, cpp_wrapper: bool) -> tuple[str, float]:
 
 class Estimate:
     """Time left in a run, from what this run measured so far: the setup of each kind of variant
-    (priors until one of a kind ran) and, once a model's variants are warm, its timing rounds."""
+    (priors until one of a kind ran; the current model's own setups once it has some, since a
+    larger model compiles longer) and each variant's timing rounds (from its warm-up calls as soon
+    as it is prepared, then from its measured call; before that, the mean of the same model's
+    known rounds)."""
 
     def __init__(self, work: list[tuple[str, str, tuple[str, float]]], rounds: int) -> None:
         self.start = time.perf_counter()
@@ -52,10 +55,12 @@ class Estimate:
         self.rounds = {(m, v): rounds for m, v, _ in work}
         self.round_s: dict[tuple[str, str], float] = {}
         self.measured: dict[str, list[float]] = {}
+        self.measured_by_model: dict[tuple[str, str], list[float]] = {}
 
     def prepared(self, model: str, variant: str, seconds: float) -> None:
         kind, units = self.pending.pop((model, variant))
         self.measured.setdefault(kind, []).append(seconds / units)
+        self.measured_by_model.setdefault((model, kind), []).append(seconds / units)
 
     def per_round(self, model: str, variant: str, seconds: float) -> None:
         self.round_s[(model, variant)] = seconds
@@ -66,11 +71,22 @@ class Estimate:
     def failed(self, model: str, variant: str) -> None:
         self.rounds[(model, variant)] = 0
 
+    def _setup_s(self, model: str, kind: str) -> float:
+        own = self.measured_by_model.get((model, kind)) or self.measured.get(kind) or [PRIOR_SETUP_S[kind]]
+        return statistics.mean(own)
+
     def left_s(self) -> float:
-        setup = sum(units * statistics.mean(self.measured.get(kind) or [PRIOR_SETUP_S[kind]]) for kind, units in self.pending.values())
-        # Rounds of variants not yet warm: the mean round of those that are (1 s before any).
-        guess = statistics.mean(self.round_s.values()) if self.round_s else 1.0
-        timing = sum(n * self.round_s.get(key, guess) for key, n in self.rounds.items() if n > 0)
+        setup = sum(units * self._setup_s(m, kind) for (m, _), (kind, units) in self.pending.items())
+        # Rounds of variants not yet warm: the mean round of the same model's that are, else of
+        # any model's (1 s before any).
+        overall = statistics.mean(self.round_s.values()) if self.round_s else 1.0
+        by_model: dict[str, list[float]] = {}
+        for (m, _), seconds in self.round_s.items():
+            by_model.setdefault(m, []).append(seconds)
+        timing = sum(
+            n * self.round_s.get(key, statistics.mean(by_model[key[0]]) if key[0] in by_model else overall)
+            for key, n in self.rounds.items() if n > 0
+        )
         return setup + timing
 
     def line(self) -> str:
