@@ -74,6 +74,10 @@ CITED = (
           "Eval under `no_grad` on two bench models, on an AMD EPYC with AVX2 only (fp16 emulated): "
           "`torch.compile` in fp32 (with and without freezing), compiled autocast and compiled pure fp16 beside "
           "graphamp exact and its compiled autotune and budget variants."),
+    Cited("bench-2026-11-29-avx2-train-bf16.json", "Speed: training step, bf16 emulated (AVX2)", "9692c6e",
+          "Forward, backward and AdamW step on two bench models, every variant of the task, on an AMD EPYC with "
+          "AVX2 only (bf16 emulated), with the other work on the machine paused: `torch.compile` in fp32 beside "
+          "graphamp's exact, autotune, budget and TrainStep variants."),
     Cited("bench-2026-11-28j-train-bf16.json", "Speed: training step, bf16", "0439eb9",
           "Forward, backward and AdamW step; every variant of the task."),
     Cited("bench-2026-11-28j-forward-bf16.json", "Speed: eval forward with grad, bf16", "0439eb9",
