@@ -265,10 +265,11 @@ def _same_dispatch(op: Any, fn: Any, args: tuple, kwargs: dict) -> bool:
     # The probe runs the op: a factory (randn, dropout's bernoulli) on the CPU draws from the user's
     # generators, which are put back (a model's own draws on its next call would differ from eager's).
     try:
-        with rng_kept(), _Record(inputs) as want:
-            op(*args, **kwargs)
-        with rng_kept(), _Record(inputs) as got:
-            fn(*args, **kwargs)
+        with rng_kept():
+            with _Record(inputs) as want:
+                op(*args, **kwargs)
+            with _Record(inputs) as got:
+                fn(*args, **kwargs)
     except Exception:
         return False
     return bool(want.calls) and want.calls == got.calls

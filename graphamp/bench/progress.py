@@ -54,13 +54,11 @@ class Estimate:
         self.pending = {(m, v): kind for m, v, kind in work}
         self.rounds = {(m, v): rounds for m, v, _ in work}
         self.round_s: dict[tuple[str, str], float] = {}
-        self.measured: dict[str, list[float]] = {}
-        self.measured_by_model: dict[tuple[str, str], list[float]] = {}
+        self.measured: dict[tuple[str, str], list[float]] = {}  # setup s per unit, by (model, kind)
 
     def prepared(self, model: str, variant: str, seconds: float) -> None:
         kind, units = self.pending.pop((model, variant))
-        self.measured.setdefault(kind, []).append(seconds / units)
-        self.measured_by_model.setdefault((model, kind), []).append(seconds / units)
+        self.measured.setdefault((model, kind), []).append(seconds / units)
 
     def per_round(self, model: str, variant: str, seconds: float) -> None:
         self.round_s[(model, variant)] = seconds
@@ -72,8 +70,8 @@ class Estimate:
         self.rounds[(model, variant)] = 0
 
     def _setup_s(self, model: str, kind: str) -> float:
-        own = self.measured_by_model.get((model, kind)) or self.measured.get(kind) or [PRIOR_SETUP_S[kind]]
-        return statistics.mean(own)
+        any_model = [s for (_, k), runs in self.measured.items() if k == kind for s in runs]
+        return statistics.mean(self.measured.get((model, kind)) or any_model or [PRIOR_SETUP_S[kind]])
 
     def left_s(self) -> float:
         setup = sum(units * self._setup_s(m, kind) for (m, _), (kind, units) in self.pending.items())
