@@ -205,19 +205,25 @@ def _size_key(k: str, how: Shrink) -> str:
 def _tie(out: dict[str, Any]) -> None:
     """The "tiny, tied" repairs on a shrunk config dict whose sub-configs are already shrunk.
 
-    - A size one config takes from a sibling sub-config ``X_config`` is named ``X_hidden_size``
-      (``vision_config.text_hidden_size``, ``head_config.audio_hidden_size``): it follows that
-      sibling's new ``hidden_size``; configs validate the equality.
+    - A size one config takes from a sibling sub-config ``X_config`` is named ``X_hidden_size`` or
+      ``hidden_size_X`` (``vision_config.text_hidden_size``, BLT's ``encoder_config.hidden_size_global``):
+      it follows that sibling's new ``hidden_size``; configs validate the equality.
+    - A hashed vocabulary (BLT's ``encoder_hash_byte_group_vocab``, half a million rows) is made 256.
     - Mamba-2 mixers (Mamba2, Bamba, GraniteMoeHybrid, NemotronH, ...): ``mamba_n_heads * mamba_d_head``
       (Mamba2: ``num_heads * head_dim``) must be ``mamba_expand * hidden_size``, and the groups must
       divide the heads.
     """
     for key, sub in out.items():
         if key.endswith("_config") and isinstance(sub, dict) and isinstance(sub.get("hidden_size"), int):
-            name = key.removesuffix("_config") + "_hidden_size"
+            sibling = key.removesuffix("_config")
             for node in (out, *(v for k, v in out.items() if k != key and isinstance(v, dict))):
-                if isinstance(node.get(name), int) and not isinstance(node.get(name), bool):
-                    node[name] = sub["hidden_size"]
+                for name in (f"{sibling}_hidden_size", f"hidden_size_{sibling}"):
+                    if isinstance(node.get(name), int) and not isinstance(node.get(name), bool):
+                        node[name] = sub["hidden_size"]
+    for key, v in out.items():
+        # A hashed n-gram vocabulary (BLT's encoder_hash_byte_group_vocab): ids are taken modulo it.
+        if key.endswith("_hash_byte_group_vocab") and isinstance(v, int) and v > 256:
+            out[key] = 256
     hidden = out.get("hidden_size")
     mamba = [("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim")]
     if any(isinstance(out.get(k), int) for k in ("state_size", "ssm_state_size")):  # a Mamba-2 config itself
@@ -416,6 +422,20 @@ class NotApplicable(BuildError):
     """This attempt would build the same thing as an earlier one, or does not apply to this model."""
 
 
+# A build with more parameters than this (counted on the meta device) is refused: at 1 B fp32
+# parameters the model, eager autocast's casts and graphamp's module take several GB each, and two
+# workers share the machine's memory (BLT's "layers only" build, 3.2 B, was OOM-killed at 23 GB).
+MAX_BUILD_PARAMS = 1_000_000_000
+
+
+def meta_parameters(cls: type, config: Any) -> int:
+    """The parameter count of ``cls(config)``, built on the meta device (no memory); raises what
+    the constructor raises."""
+    with torch.device("meta"):
+        model = cls(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def _tied_applies(model_type: str, cls: type, how: Shrink) -> None:
     """Raise NotApplicable unless the "tiny, tied" shrink changes the tiny config and the "layers
     only" build is still over TIED_ABOVE parameters (then every earlier attempt has failed)."""
@@ -426,9 +446,7 @@ def _tied_applies(model_type: str, cls: type, how: Shrink) -> None:
     if shrink_config_dict(base, how) == shrink_config_dict(base, tiny):
         raise NotApplicable("the tied shrink is the tiny one")
     try:
-        with torch.device("meta"):
-            big = cls(_hf_config(model_type, SHRINKS[-1]))
-        n = sum(p.numel() for p in big.parameters())
+        n = meta_parameters(cls, _hf_config(model_type, SHRINKS[-1]))
     except Exception as e:  # no count, no tied shrink: the model builds as it did before it
         raise NotApplicable(f"layers-only build not countable on meta: {type(e).__name__}") from e
     if n <= TIED_ABOVE:
@@ -452,6 +470,11 @@ def build_hf(model_type: str, attempt: int) -> Built:
     if how.tied:
         _tied_applies(model_type, cls, how)
     config = _hf_config(model_type, how)
+    # The constructor's own error comes from the meta build, before a real one allocates (the
+    # default cohere_compass config cannot build, after 8 GB of embeddings at "layers only").
+    n = meta_parameters(cls, config)
+    if n > MAX_BUILD_PARAMS:
+        raise BuildError(f"{how.label}: {n / 1e9:.1f} B parameters, over the census's {MAX_BUILD_PARAMS / 1e9:.0f} B (this machine's memory)")
     model = _seeded(lambda: cls(config)).eval()
     note = how.label + (" + pixel_values" if pixels else "") + (", input_features frames first" if frames_first else "")
     seq_input = getattr(model, "main_input_name", "input_ids") == "input_ids"  # input_ids always made

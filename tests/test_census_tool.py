@@ -348,3 +348,31 @@ def test_input_features_are_tried_frames_first_where_bins_first_cannot_run() -> 
     assert runs("hf/univnet", 1) and models.build("hf/univnet", 1).make_inputs(2)[1]["input_features"].shape[1:] == (64, 100)
     with pytest.raises(models.NotApplicable):
         models.build("hf/bert", 1)
+
+
+def test_a_build_over_the_parameter_limit_is_refused_before_it_allocates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # BLT's "layers only" build (3.2 B parameters) was OOM-killed at 23 GB: the census counts a
+    # build's parameters on the meta device and refuses, with the count, what is over its limit.
+    pytest.importorskip("transformers")
+    models = census.census_models
+    assert models.build("hf/bert", 0).model is not None
+    monkeypatch.setattr(models, "MAX_BUILD_PARAMS", 1000)
+    with pytest.raises(models.BuildError, match=r"B parameters, over the census's"):
+        models.build("hf/bert", 0)
+
+
+def test_the_tied_shrink_ties_a_size_named_after_its_sibling_either_way() -> None:
+    # BLT: encoder_config.hidden_size_global must be global_config.hidden_size; its hashed n-gram
+    # vocabulary (half a million rows) needs no such size.
+    models = census.census_models
+    tied = next(s for s in models.SHRINKS if s.tied)
+    d = {
+        "model_type": "blt", "encoder_hash_byte_group_vocab": 500002,
+        "global_config": {"model_type": "g", "hidden_size": 2048, "num_attention_heads": 16},
+        "encoder_config": {"model_type": "e", "hidden_size": 1024, "hidden_size_global": 2048, "num_attention_heads": 16},
+    }
+    out = models.shrink_config_dict(d, tied)
+    assert out["encoder_config"]["hidden_size_global"] == out["global_config"]["hidden_size"] == 64
+    assert out["encoder_hash_byte_group_vocab"] == 256
+    untied = models.shrink_config_dict(d, models.SHRINKS[0])
+    assert (untied["encoder_config"]["hidden_size_global"], untied["encoder_hash_byte_group_vocab"]) == (2048, 500002)
