@@ -42,7 +42,8 @@ SIGUSR1) before it is killed: ``"kind": "hang"`` where it used little CPU in bet
 did not change, ``"slow"`` otherwise, with its innermost frames under ``stack``; ``--rerun-slow
 LIMIT`` runs the slow ones again with a longer limit. The limit counts running time only: a run
 paused with ``kill -STOP`` (census or worker) makes no time-outs. ``--resume`` refuses a results file written at
-another commit (one table, one commit) unless ``--allow-mixed``.
+another commit, on another CPU class or with other library versions (one table, one commit, one
+machine) unless ``--allow-mixed``.
 
     scripts/census                                   # everything, resumable: --resume
     scripts/census --only 'timm/|diffusers/' --jobs 1
@@ -1102,14 +1103,27 @@ def select(names: list[str], only: str | None, shard: str | None, sample: float 
     return names
 
 
+# What a results file's header says of the machine and the libraries: a run resumed elsewhere
+# would mix CPU classes (eager autocast's kernels differ with them) or library versions.
+_SAME_MACHINE = ("cpu", "cpu_flags", "native", "versions")
+
+
 def check_resumable(head: dict[str, Any] | None, path: Path, allow_mixed: bool) -> None:
-    """Exit unless the results file ``path`` (header ``head``) was written at this commit: one
-    table, one commit. ``allow_mixed`` resumes anyway (each record keeps its own ``commit``)."""
+    """Exit unless the results file ``path`` (header ``head``) was written at this commit, on this
+    machine class with these libraries: one table, one commit, one machine. ``allow_mixed`` resumes
+    anyway (each record keeps its own ``commit``)."""
+    if head is None or allow_mixed:
+        return
     here = _git_commit()
-    there = (head or {}).get("graphamp_commit")
-    if head is not None and there != here and not allow_mixed:
+    there = head.get("graphamp_commit")
+    if there != here:
         sys.exit(f"{path} was written at graphamp commit {there}, this is {here}: the table must come from one commit. "
                  "Start another --out, or pass --allow-mixed to append anyway (each record keeps its commit).")
+    now = header()
+    changed = [f"{k}: {head.get(k)} there, {now.get(k)} here" for k in _SAME_MACHINE if k in head and head.get(k) != now.get(k)]
+    if changed:
+        sys.exit(f"{path} was written on another machine class or with other libraries ({'; '.join(changed)}): the "
+                 "table must come from one machine. Start another --out, or pass --allow-mixed to append anyway.")
 
 
 def _run_models(plan: dict[str, tuple[str, ...]], timeout: float, jobs: int, threads: int, out: Path) -> None:

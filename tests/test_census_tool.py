@@ -241,6 +241,22 @@ def test_resume_refuses_a_results_file_of_another_commit(tmp_path: Path, monkeyp
         census.main(["--out", str(out)])
 
 
+def test_resume_refuses_a_results_file_of_another_machine_class(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Eager autocast's CPU kernels differ between AVX2 and avx512_bf16 machines: a run resumed on
+    # another class would mix two machines in one table.
+    here = {"cpu": "AMD EPYC", "cpu_flags": [], "native": {"bf16": False, "fp16": False}, "versions": {"torch": "2.13.0+cpu"}}
+    monkeypatch.setattr(census, "header", lambda: {"header": True, "graphamp_commit": "aaa", **here})
+    monkeypatch.setattr(census, "_git_commit", lambda: "aaa")
+    monkeypatch.setattr(census.census_models, "population", lambda: [])
+    out = tmp_path / "census.jsonl"
+    _write(out, {"date": "d0", "graphamp_commit": "aaa", **here, "cpu_flags": ["avx512_bf16"], "native": {"bf16": True, "fp16": False}}, [])
+    with pytest.raises(SystemExit, match=r"another machine class .*cpu_flags: \['avx512_bf16'\] there, \[\] here"):
+        census.main(["--out", str(out), "--resume"])
+    census.main(["--out", str(out), "--resume", "--allow-mixed"])
+    _write(out, {"date": "d0", "graphamp_commit": "aaa", **here}, [])
+    census.main(["--out", str(out), "--resume"])
+
+
 # ---------------------------------------------------------------- the new checks, on a tiny model
 
 
