@@ -92,12 +92,29 @@ def conversions_of_one_capture(model: nn.Module, args: tuple, kwargs: dict, spec
         with source_lines_read_lazily(), autocast_off():
             if not first:
                 first.append(captured(model, args, kwargs, spec))
-            # A copy of the graph and its records; the parameters and buffers stay the model's own.
-            shared = {id(t): t for t in (*first[0].parameters(), *first[0].buffers())}
-            gm = rewritten(copy.deepcopy(first[0], shared), trial)
+            gm = rewritten(_copy_of_capture(first[0]), trial)
             return emit(gm, model, trial, example=(args, kwargs), engine=reconvert)
 
     return convert_with
+
+
+def _copy_of_capture(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of the captured graph and its records; the parameters and buffers stay the model's own.
+
+    The pytree specs (immutable) are shared: deep-copying a LeafSpec makes torch warn that
+    constructing one is deprecated. fx's Graph deep-copies its codegen without the memo, so the
+    codegen is set aside during the copy and copied shallow.
+    """
+    specs = [getattr(gm, name) for name in ("_in_spec", "_out_spec") if getattr(gm, name, None) is not None]
+    codegen = gm.graph._codegen
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    try:
+        new = copy.deepcopy(gm, {id(t): t for t in (*gm.parameters(), *gm.buffers(), *specs)})
+    finally:
+        gm.graph._codegen = codegen
+    new.graph._codegen = copy.copy(codegen)
+    new.recompile()
+    return new
 
 
 def replay(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, decisions: AutotunePlan) -> AmpModule:

@@ -118,6 +118,23 @@ def test_training_counts_gradients_and_keeps_the_models_parameters(monkeypatch):
     assert all(p.grad is not None and p.grad.dtype is torch.float32 for p in model.parameters())
 
 
+def test_the_search_copies_its_capture_without_torchs_leafspec_warning(monkeypatch):
+    # Each trial converts a copy of one capture. A training graph's output spec is a LeafSpec, and
+    # deep-copying one made torch print a FutureWarning ("isinstance(treespec, LeafSpec) is
+    # deprecated") to every user of mode="budget" in training.
+    import warnings
+
+    model, x = _model()
+    model.train()
+    monkeypatch.setattr(budget_module, "time_programs", _timed_as(lambda: True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        amp = graphamp.convert(model, (x,), dtype=torch.bfloat16, mode="budget", config=graphamp.Config(error_budget=1.0))
+    assert not [w for w in caught if "LeafSpec" in str(w.message)], [str(w.message) for w in caught]
+    assert graphamp.BudgetPlan.of(amp).lowered
+    torch.testing.assert_close(amp(x).float(), model(x), atol=0.5, rtol=0.5)  # the copy runs, pytree output included
+
+
 def test_fp32_modules_stay_fp32_whatever_the_search_tries(monkeypatch):
     model, x = _model()
     monkeypatch.setattr(budget_module, "time_programs", _timed_as(lambda: True))
