@@ -782,34 +782,42 @@ def run_model(name: str, checks: tuple[str, ...], path: Path | None = None, *, r
 # ---------------------------------------------------------------- the runner
 
 
-def header() -> dict[str, Any]:
+def _version(pkg: str) -> str | None:
     import importlib.metadata as md
 
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """The CPU class a run is on: its model, bf16/fp16 flags and whether each is native."""
     import torch
 
     from graphamp import hardware
 
-    census_models.enable_census_site()
-
-    def version(pkg: str) -> str | None:
-        try:
-            return md.version(pkg)
-        except md.PackageNotFoundError:
-            return None
-
     cap = hardware.capability("cpu")
-    flags = hardware.cpu_flags()
+    return {
+        "cpu": hardware.cpu_model(),
+        "cpu_flags": sorted(hardware.cpu_flags()),
+        "native": {"bf16": cap.native(torch.bfloat16), "fp16": cap.native(torch.float16)},
+    }
+
+
+def header() -> dict[str, Any]:
+    import torch
+
+    census_models.enable_census_site()
     return {
         "header": True,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "graphamp_commit": _git_commit(),
         # Files under graphamp/ with uncommitted edits when the run started (a shared checkout).
         "graphamp_dirty": _git_dirty(),
-        "versions": {p: version(p) for p in ("torch", "transformers", "timm", "diffusers", "torchvision")},
+        "versions": {p: _version(p) for p in ("torch", "transformers", "timm", "diffusers", "torchvision")},
         "python": platform.python_version(),
-        "cpu": hardware.cpu_model(),
-        "cpu_flags": sorted(flags),
-        "native": {"bf16": cap.native(torch.bfloat16), "fp16": cap.native(torch.float16)},
+        **machine(),
         "threads": torch.get_num_threads(),
         # What "reported" means in this file's records (the module docstring): "named" since issue 38.
         "reported_rule": REPORTED_RULE,
@@ -1103,9 +1111,9 @@ def select(names: list[str], only: str | None, shard: str | None, sample: float 
     return names
 
 
-# What a results file's header says of the machine and the libraries: a run resumed elsewhere
-# would mix CPU classes (eager autocast's kernels differ with them) or library versions.
-_SAME_MACHINE = ("cpu", "cpu_flags", "native", "versions")
+# The libraries a resumed run must share with the results file (read without the census site,
+# which would reach this process's sys.path and every process it spawns).
+_SAME_VERSIONS = ("torch", "transformers")
 
 
 def check_resumable(head: dict[str, Any] | None, path: Path, allow_mixed: bool) -> None:
@@ -1119,8 +1127,10 @@ def check_resumable(head: dict[str, Any] | None, path: Path, allow_mixed: bool) 
     if there != here:
         sys.exit(f"{path} was written at graphamp commit {there}, this is {here}: the table must come from one commit. "
                  "Start another --out, or pass --allow-mixed to append anyway (each record keeps its commit).")
-    now = header()
-    changed = [f"{k}: {head.get(k)} there, {now.get(k)} here" for k in _SAME_MACHINE if k in head and head.get(k) != now.get(k)]
+    # Another CPU class would mix two machines' eager kernels in one table; other versions, two torches.
+    now = {**machine(), **{f"versions.{p}": _version(p) for p in _SAME_VERSIONS}}
+    then = {**head, **{f"versions.{p}": v for p, v in (head.get("versions") or {}).items()}}
+    changed = [f"{k}: {then[k]} there, {now[k]} here" for k in now if k in then and then[k] != now[k]]
     if changed:
         sys.exit(f"{path} was written on another machine class or with other libraries ({'; '.join(changed)}): the "
                  "table must come from one machine. Start another --out, or pass --allow-mixed to append anyway.")

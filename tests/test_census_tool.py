@@ -244,8 +244,9 @@ def test_resume_refuses_a_results_file_of_another_commit(tmp_path: Path, monkeyp
 def test_resume_refuses_a_results_file_of_another_machine_class(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Eager autocast's CPU kernels differ between AVX2 and avx512_bf16 machines: a run resumed on
     # another class would mix two machines in one table.
-    here = {"cpu": "AMD EPYC", "cpu_flags": [], "native": {"bf16": False, "fp16": False}, "versions": {"torch": "2.13.0+cpu"}}
-    monkeypatch.setattr(census, "header", lambda: {"header": True, "graphamp_commit": "aaa", **here})
+    here = {"cpu": "AMD EPYC", "cpu_flags": [], "native": {"bf16": False, "fp16": False}}
+    monkeypatch.setattr(census, "machine", lambda: here)
+    monkeypatch.setattr(census, "header", lambda: pytest.fail("the check reads no header: it would add the census site to sys.path"))
     monkeypatch.setattr(census, "_git_commit", lambda: "aaa")
     monkeypatch.setattr(census.census_models, "population", lambda: [])
     out = tmp_path / "census.jsonl"
@@ -253,7 +254,10 @@ def test_resume_refuses_a_results_file_of_another_machine_class(tmp_path: Path, 
     with pytest.raises(SystemExit, match=r"another machine class .*cpu_flags: \['avx512_bf16'\] there, \[\] here"):
         census.main(["--out", str(out), "--resume"])
     census.main(["--out", str(out), "--resume", "--allow-mixed"])
-    _write(out, {"date": "d0", "graphamp_commit": "aaa", **here}, [])
+    _write(out, {"date": "d0", "graphamp_commit": "aaa", **here, "versions": {"torch": "2.12.0"}}, [])
+    with pytest.raises(SystemExit, match=r"versions.torch: 2.12.0 there"):
+        census.main(["--out", str(out), "--resume"])
+    _write(out, {"date": "d0", "graphamp_commit": "aaa", **here, "versions": {"torch": census._version("torch")}}, [])
     census.main(["--out", str(out), "--resume"])
 
 
