@@ -78,6 +78,10 @@ CITED = (
           "Forward, backward and AdamW step on two bench models, every variant of the task, on an AMD EPYC with "
           "AVX2 only (bf16 emulated), with the other work on the machine paused: `torch.compile` in fp32 beside "
           "graphamp's exact, autotune, budget and TrainStep variants."),
+    Cited("bench-2026-11-29-avx2-train-fp16.json", "Speed: training step, fp16 emulated (AVX2)", "a93333b",
+          "Forward, backward and AdamW step on two bench models, every variant of the task, on an AMD EPYC with "
+          "AVX2 only (fp16 emulated), with the other work on the machine paused: `torch.compile` in fp32 beside "
+          "graphamp's exact, autotune, budget and TrainStep variants."),
     Cited("bench-2026-11-28j-train-bf16.json", "Speed: training step, bf16", "0439eb9",
           "Forward, backward and AdamW step; every variant of the task."),
     Cited("bench-2026-11-28j-forward-bf16.json", "Speed: eval forward with grad, bf16", "0439eb9",
