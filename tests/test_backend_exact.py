@@ -7,6 +7,7 @@ Every check compares with eager autocast on the machine the test runs on.
 """
 
 import contextlib
+import re
 import warnings
 
 import pytest
@@ -459,8 +460,16 @@ class BreaksTheGraph(nn.Module):
 
 def test_code_between_graphs_outside_autocast_warns():
     model, x = BreaksTheGraph(), torch.randn(8, 8)
-    with pytest.warns(EagerPathWarning, match=r"between them runs eagerly without autocast.*torch.autocast\('cpu', dtype=torch.bfloat16\)"):
+    with pytest.warns(EagerPathWarning) as said:
         compiled(model, torch.bfloat16)(x)
+    messages = [str(w.message) for w in said if w.category is EagerPathWarning]
+    # Named: the module, the line of the break and dynamo's reason, then the way out.
+    line = BreaksTheGraph.forward.__code__.co_firstlineno + 2
+    assert len(messages) == 1, messages
+    assert re.search(
+        rf"dynamo broke BreaksTheGraph.forward into several graphs at {re.escape(__file__)}:{line} in forward \(.*graph_break.*\);"
+        r".*runs without autocast.*torch.autocast\('cpu', dtype=torch.bfloat16\)", messages[0], re.S,
+    ), messages[0]
     torch._dynamo.reset()
     with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
         warnings.simplefilter("error", EagerPathWarning)

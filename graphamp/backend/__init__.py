@@ -44,10 +44,10 @@ from graphamp.policy import DEVICE_TYPES, resolve_dtype
 from graphamp.shared_state import capture_lock
 from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type
 from graphamp.backend.options import BackendOptions
-from graphamp.backend.eager_dtypes import _ends_at_graph_break, follow_eager_dtypes
+from graphamp.backend.eager_dtypes import follow_eager_dtypes, graph_break_site
 from graphamp.backend.eager_regions import follow_eager_regions
 from graphamp.backend.eager_check import check_outputs
-from graphamp.backend.observe import Frame, compiled_frame, eager_run, observe_eager_frame
+from graphamp.backend.observe import Frame, compiled_frame, eager_run, frame_name, observe_eager_frame
 from graphamp.backend.dropped_masks import dispatch, eager_sdpa_calls_for, split_dropped_masks
 from graphamp.probe import SdpaCall
 from graphamp.backend.retrace import _retrace
@@ -111,8 +111,9 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
         follow_eager_dtypes(gm, frame, device_type=device_type, dtype=spec.dtype, low=eager)
         if eager is not None:
             follow_eager_regions(gm, eager.autocast_off_sites, device_type=device_type)
-        if _ends_at_graph_break(gm):
-            _warn_code_between_graphs(device_type, spec.dtype)
+        site = graph_break_site(gm)
+        if site is not None:
+            _warn_code_between_graphs(frame_name(frame) if frame is not None else "the compiled code", site, device_type, spec.dtype)
     # Where eager's Python dropped an input-dependent attention mask by value, eager's program and
     # dynamo's are both compiled, and each call picks by the mask (graphamp.backend.dropped_masks).
     sdpa_calls = eager_sdpa_calls_for(gm, frame, device_type=device_type, dtype=spec.dtype) if exact else None
@@ -176,11 +177,12 @@ def rewrite(
     return amp_gm
 
 
-def _warn_code_between_graphs(device_type: str, dtype: torch.dtype) -> None:
+def _warn_code_between_graphs(name: str, site: str, device_type: str, dtype: torch.dtype) -> None:
     warnings.warn(
-        "dynamo broke the model into several graphs, and called outside torch.autocast the code it runs "
-        "between them runs eagerly without autocast, in fp32, where eager autocast would run its ops in "
-        "mixed precision: values may differ from eager autocast's, or ops may meet tensors of two dtypes. "
+        f"dynamo broke {name} into several graphs at {site}; called outside torch.autocast, the code it "
+        "runs eagerly there, up to the next graph, runs without autocast, in fp32, where eager autocast "
+        "would run its ops in mixed precision: values after that line may differ from eager autocast's, or "
+        "ops may meet tensors of two dtypes. "
         f"Way out: call the compiled model inside torch.autocast({device_type!r}, dtype={dtype}); "
         "graphamp's casts stay the only ones applied inside the graphs.",
         EagerPathWarning,

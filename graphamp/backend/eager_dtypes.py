@@ -24,7 +24,7 @@ from torch.fx.node import map_aggregate
 from graphamp.backend.observe import DtypeCall, EagerRun, Frame, call_name, node_call_site, dtype_calls, dtype_constants, frame_name
 from graphamp.errors import EagerPathWarning
 
-__all__ = ["follow_eager_dtypes", "graph_dtype_calls", "align"]
+__all__ = ["follow_eager_dtypes", "graph_break_site", "graph_dtype_calls", "align"]
 
 
 def graph_dtype_calls(gm: GraphModule) -> list[tuple[Node, DtypeCall]]:
@@ -95,6 +95,19 @@ def follow_eager_dtypes(
 def _ends_at_graph_break(gm: GraphModule) -> bool:
     reason = getattr(gm, "compile_subgraph_reason", None)  # dynamo's, on the graphs it hands over
     return bool(getattr(reason, "graph_break", False))
+
+
+def graph_break_site(gm: GraphModule) -> str | None:
+    """Where and why dynamo broke off the graph ``gm``, for messages: the user's line and the first
+    line of dynamo's reason (``"model.py:12 in forward (Failed to trace builtin operator)"``);
+    None where the graph ends at the frame's return."""
+    if not _ends_at_graph_break(gm):
+        return None
+    reason = gm.compile_subgraph_reason
+    why = next((line.strip() for line in str(reason.reason).splitlines() if line.strip()), "no reason given")
+    stack = list(getattr(reason, "user_stack", None) or ())
+    where = f"{stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else "a line dynamo did not record"
+    return f"{where} ({why})"
 
 
 def _describe(missed: list[DtypeCall], low: list[DtypeCall]) -> str:
