@@ -21,7 +21,6 @@ import graphamp.backend
 import graphamp.backend.observe as observe
 from graphamp.errors import EagerPathWarning, PolicyDriftError
 from graphamp.backend.observe import frame_arguments
-from graphamp.passes.follow_eager_attention import SDPA
 from graphamp.policy import lstm_uses_onednn
 from helpers import _loss, assert_same_grads, assert_same_outputs, run_eager
 
