@@ -70,10 +70,12 @@ CITED = (
     Cited("bench-2026-11-29-avx2-train-budget.json", "Speed: budget mode, training step, bf16 emulated (AVX2)", "86e2055",
           "The bench's BERT-like model: forward, backward and AdamW step, the uncompiled budget variant (its search "
           "counts the gradients' error too) beside autotune, fp32 and `torch.compile` in fp32."),
-    Cited("bench-2026-11-29-avx2-infer-fp16.json", "Speed: inference, fp16 emulated (AVX2)", "bead8ae",
-          "Eval under `no_grad` on two bench models, on an AMD EPYC with AVX2 only (fp16 emulated): "
-          "`torch.compile` in fp32 (with and without freezing), compiled autocast and compiled pure fp16 beside "
-          "graphamp exact and its compiled autotune and budget variants."),
+    Cited("bench-2026-11-29b-avx2-infer-fp16-all.json", "Speed: inference, fp16 emulated (AVX2)", "d29a4ab",
+          "Eval under `no_grad` on two bench models, every variant of the task, on an AMD EPYC with AVX2 only (fp16 "
+          "emulated), with the other work on the machine paused: `torch.compile` in fp32 (with and without freezing), "
+          "compiled autocast and compiled pure fp16 beside graphamp's exact, autotune and budget variants. "
+          "`graphamp_compiled` on `nn.TransformerEncoder` runs uncompiled: the compiled encoder layer's fused "
+          "kernel returns other output dtypes than eager autocast's, and graphamp refuses that program."),
     Cited("bench-2026-11-29-avx2-train-bf16.json", "Speed: training step, bf16 emulated (AVX2)", "9692c6e",
           "Forward, backward and AdamW step on two bench models, every variant of the task, on an AMD EPYC with "
           "AVX2 only (bf16 emulated), with the other work on the machine paused: `torch.compile` in fp32 beside "
@@ -135,7 +137,7 @@ CITED = (
 # README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
 SPEED_FILES = (
     ("bench-2026-11-28p-infer-bf16.json", "bench-2026-11-28j-train-bf16.json"),
-    ("bench-2026-11-29-avx2-infer-bf16.json",),
+    ("bench-2026-11-29-avx2-infer-bf16.json", "bench-2026-11-29-avx2-train-bf16.json"),
 )
 
 
@@ -372,9 +374,9 @@ def _speed_table(files: tuple[str, ...]) -> str:
     machine = bench_machine(sources[0][2])
     ran = {r["variant"] for _, _, doc in sources for r in doc["rows"]}
     alternatives = ", ".join(f"`{a}`" for a in bench_tables.ALTERNATIVES if a in ran)
-    models = " ".join(dict.fromkeys(r["model"] for _, _, doc in sources for r in doc["rows"]))
     commands = "; ".join(
-        f"`graphamp bench --model {models} --task {doc['rows'][0]['task']} --dtype bf16 --all`" for _, _, doc in sources)
+        f"`graphamp bench --model {' '.join(dict.fromkeys(r['model'] for r in doc['rows']))} --task {doc['rows'][0]['task']} "
+        "--dtype bf16 --all`" for _, _, doc in sources)
     listed = ", ".join(f"`{f}` (commit `{c.commit}`)" for f, c, _ in sources)
     return "\n".join([
         f"**{sources[0][2].get('capability', '?').split(' (')[0]}**",
