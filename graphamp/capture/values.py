@@ -157,7 +157,7 @@ def _top_level_names(model: nn.Module, in_spec: Any) -> list[str]:
         params = [p.name for p in inspect.signature(model.forward).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         params = []
-    args_spec, kwargs_spec = in_spec.children_specs
+    args_spec, kwargs_spec = in_spec.children()
     positional = [params[i] if i < len(params) else f"arg{i}" for i in range(args_spec.num_children)]
     return positional + [str(k) for k in kwargs_spec.context]
 
