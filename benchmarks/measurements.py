@@ -84,6 +84,12 @@ CITED = (
           "Forward, backward and AdamW step on two bench models, every variant of the task, on an AMD EPYC with "
           "AVX2 only (fp16 emulated), with the other work on the machine paused: `torch.compile` in fp32 beside "
           "graphamp's exact, autotune, budget and TrainStep variants."),
+    Cited("bench-2026-11-29c-avx2-train-bf16-gpt2-bert.json", "Speed: training step, bf16 emulated (AVX2), GPT-2 and BERT", "a69ab05",
+          "Forward, backward and AdamW step on the GPT-2-like and BERT-like bench models, on an AMD EPYC with AVX2 only "
+          "(bf16 emulated), with the other work on the machine paused: fp32, eager autocast and `torch.compile` in fp32 "
+          "beside graphamp's autotune, budget and TrainStep variants. The variants that run emulated bf16 throughout "
+          "(pure bf16, graphamp exact, compiled autocast) are left out: each is slower than eager fp32 here (as the "
+          "two-model table above shows)."),
     Cited("bench-2026-11-28j-train-bf16.json", "Speed: training step, bf16", "0439eb9",
           "Forward, backward and AdamW step; every variant of the task."),
     Cited("bench-2026-11-28j-forward-bf16.json", "Speed: eval forward with grad, bf16", "0439eb9",
@@ -137,7 +143,7 @@ CITED = (
 # README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
 SPEED_FILES = (
     ("bench-2026-11-28p-infer-bf16.json", "bench-2026-11-28j-train-bf16.json"),
-    ("bench-2026-11-29-avx2-infer-bf16.json", "bench-2026-11-29-avx2-train-bf16.json"),
+    ("bench-2026-11-29-avx2-infer-bf16.json", "bench-2026-11-29-avx2-train-bf16.json", "bench-2026-11-29c-avx2-train-bf16-gpt2-bert.json"),
 )
 
 
