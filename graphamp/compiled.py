@@ -149,6 +149,12 @@ class CompiledAmpModule(nn.Module):
         return self.amp.code
 
     @property
+    def options(self) -> dict[str, Any]:
+        """The inductor config patches this module compiles with beyond graphamp's own (a copy):
+        ``{"cpp_wrapper": True}`` where autotune kept inductor's C++ wrapper."""
+        return dict(self.__dict__.get("_options", {}))
+
+    @property
     def runs_compiled(self) -> bool:
         """False once the module fell back to its converted graph uncompiled (see ``CompileFallbackWarning``)."""
         return not self.__dict__.get("_fallback")

@@ -89,3 +89,25 @@ def test_the_limits_line():
     assert line.startswith(f"matmul-only bound {bound:.3g} ms in fp32")
     assert f"compile_fp32_freezing, 5 ms = {5.0 / bound:.2f}x the fp32 bound, spends 75% of its time in matmul/conv kernels" in line
     assert Split(0.0, 0.0).fraction == 0.0
+
+
+def test_a_cpp_wrapper_program_is_profiled_with_the_python_wrapper(monkeypatch):
+    """Inductor's C++ wrapper calls its kernels past the profiler: profiled as it runs, a program of
+    matmuls would spend 0% in them. The bench profiles the same program with the Python wrapper."""
+    from graphamp.autotune import compiled as autotune_compiled
+    from graphamp.bench import variants as bench_variants
+    from graphamp.testing import zoo
+
+    torch._dynamo.reset()
+    # the C++ wrapper wins the timing, as it did on checkerboard
+    monkeypatch.setattr(autotune_compiled, "time_programs", lambda steps: {"plan": [2.0] * 3, "C++ wrapper": [1.0] * 3})
+    case = zoo.mlp()
+    case.batch = 8
+    variant = bench_variants.prepare("compile_fp32_freezing", case, "infer", torch.bfloat16, cpp_wrapper=True)
+    assert variant.note.startswith("inductor's C++ wrapper kept")
+    assert variant.profiled is not variant.step
+    # What the bench would have printed without the twin: no matmul seen (if torch's C++ wrapper
+    # becomes visible to the profiler, this fails, and the twin can go).
+    assert time_split(variant.step, calls=1).matmul_ms == 0
+    profiled = time_split(variant.profiled, calls=1)
+    assert profiled.matmul_ms > 0 and profiled.fraction > 0

@@ -312,8 +312,11 @@ def _add_limits(model_rows: dict[str, Row], prepared: dict[str, Variant], case: 
     fastest = min(ok, key=lambda r: r.median_ms)
     try:
         flops = bench_limits.matmul_flops(prepare("fp32", case, task, dtype).step)
-        split = bench_limits.time_split(prepared[fastest.variant].step, calls=2)
+        variant = prepared[fastest.variant]
+        split = bench_limits.time_split(variant.profiled, calls=2)
         fastest.limits = bench_limits.limits_line(flops, dtype, fastest=fastest.variant, fastest_ms=fastest.median_ms, split=split)
+        if variant.profiled is not variant.step:
+            fastest.limits += " (profiled with inductor's Python wrapper: the C++ wrapper's kernel calls bypass the profiler)"
     except Exception as e:  # a profile or count that fails costs the line, not the run
         fastest.limits = f"where the time goes: not measured ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
 

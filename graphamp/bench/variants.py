@@ -110,13 +110,19 @@ def _outputs(out: Any) -> list[torch.Tensor]:
 
 
 class Variant:
-    """A prepared variant: ``step()`` runs one forward (infer) or one training step (train)."""
+    """A prepared variant: ``step()`` runs one forward (infer) or one training step (train).
+
+    ``profiled`` is the step the bench profiles to split its time into matmul kernels and the rest:
+    ``step`` itself, or, where ``step`` runs a program built with inductor's C++ wrapper (whose
+    kernel calls bypass the profiler, so its matmuls would count as 0%), the same program with the
+    Python wrapper."""
 
     def __init__(self, step: Callable[[], Any], forward: Callable[[], Any] | None, lowerable: Callable[[], Any] | None) -> None:
         self.step = step
         self.forward = forward
         self.lowerable = lowerable
         self.note = ""
+        self.profiled: Callable[[], Any] = step
 
 
 def faster_with_cpp_wrapper(
@@ -124,7 +130,8 @@ def faster_with_cpp_wrapper(
     as_step: Callable[[Callable[[], Any], Any], Callable[[], Any]],
 ) -> tuple[Callable[[], Any], str]:
     """``call``, or the same program built with inductor's C++ wrapper where that times faster, by the
-    rule graphamp's autotune applies to its own (:mod:`graphamp.autotune.compiled`)."""
+    rule graphamp's autotune applies to its own (:mod:`graphamp.autotune.compiled`). Where the C++
+    wrapper is kept, ``call`` stays the program to profile (:attr:`Variant.profiled`)."""
     cpp = compiled_call({"cpp_wrapper": True})
     steps = {"plan": as_step(call, ()), "C++ wrapper": as_step(cpp, ())}
     for step in steps.values():
@@ -211,11 +218,13 @@ def prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype, *, cpp_wra
                     return compiled(*inputs[0], **inputs[1])
             return call
 
-        call, note = compiled_call({}), ""
+        python_wrapper = call = compiled_call({})
+        note = ""
         if cpp_wrapper:
             call, note = faster_with_cpp_wrapper(call, compiled_call, as_step)
         variant = Variant(as_step(call, target.parameters()), call, None)
         variant.note = note
+        variant.profiled = as_step(python_wrapper, target.parameters())
         return variant
     if name == "graphamp_backend":
         compiled = torch.compile(model, backend="graphamp", options={"dtype": dtype})
@@ -227,6 +236,10 @@ def prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype, *, cpp_wra
         cm = graphamp.convert(model, args, kwargs, dtype=dtype, inference=inference, mode=mode, compile=True)
         call = lambda: cm(*args, **kwargs)  # noqa: E731
         variant = Variant(as_step(call, model.parameters()), call, None)
+        if getattr(cm, "options", {}).get("cpp_wrapper"):
+            # Autotune kept the C++ wrapper: profile the same program with the Python wrapper.
+            twin = graphamp.CompiledAmpModule(cm.amp)
+            variant.profiled = as_step(lambda: twin(*args, **kwargs), model.parameters())
         ran = "" if getattr(cm, "runs_compiled", False) else " (the compiled program was refused: runs uncompiled)"
         variant.note = (f"inference={inference}; drift on the example: {cm.drift.line()}" if getattr(cm, "drift", None) else "") + ran
         if mode == "autotune":
