@@ -90,6 +90,16 @@ CITED = (
           "beside graphamp's autotune, budget and TrainStep variants. The variants that run emulated bf16 throughout "
           "(pure bf16, graphamp exact, compiled autocast) are left out: each is slower than eager fp32 here (as the "
           "two-model table above shows)."),
+    Cited("bench-2026-11-29d-avx2-infer-fp16-gpt2-bert.json", "Speed: inference, fp16 emulated (AVX2), GPT-2 and BERT", "d17f013",
+          "Eval under `no_grad` on the GPT-2-like and BERT-like bench models, on an AMD EPYC with AVX2 only (fp16 "
+          "emulated), with the other work on the machine paused: fp32, eager autocast and `torch.compile` in fp32 (with "
+          "and without freezing) beside graphamp's autotune and budget variants. The variants that run emulated fp16 "
+          "throughout are left out: each is slower than eager fp32 here."),
+    Cited("bench-2026-11-29e-avx2-train-fp16-gpt2-bert.json", "Speed: training step, fp16 emulated (AVX2), GPT-2 and BERT", "d17f013",
+          "Forward, backward and AdamW step on the GPT-2-like and BERT-like bench models, on an AMD EPYC with AVX2 only "
+          "(fp16 emulated), with the other work on the machine paused: fp32, eager autocast and `torch.compile` in fp32 "
+          "beside graphamp's autotune, budget and TrainStep variants. The variants that run emulated fp16 throughout are "
+          "left out: each is slower than eager fp32 here."),
     Cited("bench-2026-11-28j-train-bf16.json", "Speed: training step, bf16", "0439eb9",
           "Forward, backward and AdamW step; every variant of the task."),
     Cited("bench-2026-11-28j-forward-bf16.json", "Speed: eval forward with grad, bf16", "0439eb9",
