@@ -111,3 +111,14 @@ def test_a_cpp_wrapper_program_is_profiled_with_the_python_wrapper(monkeypatch):
     assert time_split(variant.step, calls=1).matmul_ms == 0
     profiled = time_split(variant.profiled, calls=1)
     assert profiled.matmul_ms > 0 and profiled.fraction > 0
+
+
+def test_a_python_wrapper_program_is_profiled_as_it_runs():
+    from graphamp.bench import variants as bench_variants
+    from graphamp.testing import zoo
+
+    torch._dynamo.reset()
+    case = zoo.mlp()
+    case.batch = 8
+    variant = bench_variants.prepare("compile_fp32", case, "infer", torch.bfloat16)
+    assert variant.profiled is variant.step  # no "(profiled with inductor's Python wrapper ...)" on its line

@@ -224,7 +224,8 @@ def prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype, *, cpp_wra
             call, note = faster_with_cpp_wrapper(call, compiled_call, as_step)
         variant = Variant(as_step(call, target.parameters()), call, None)
         variant.note = note
-        variant.profiled = as_step(python_wrapper, target.parameters())
+        if call is not python_wrapper:  # the C++ wrapper was kept
+            variant.profiled = as_step(python_wrapper, target.parameters())
         return variant
     if name == "graphamp_backend":
         compiled = torch.compile(model, backend="graphamp", options={"dtype": dtype})
