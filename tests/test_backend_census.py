@@ -334,19 +334,6 @@ def test_the_program_without_the_mask_keeps_in_place_writes():
             assert_same_outputs(cm(x, mask), ref)
 
 
-def test_without_the_split_the_dropped_mask_really_differs(monkeypatch):
-    import graphamp.backend as backend
-
-    monkeypatch.setattr(backend, "split_dropped_masks", lambda *a, **k: None)
-    torch.manual_seed(0)
-    model, x = DropsAnAllOnesMask().eval(), torch.randn(2, 6, 8)
-    ones, _ = _all_ones_and_padded()
-    ref, _ = run_eager(model, (x, ones), {}, torch.bfloat16, grads=False)
-    with pytest.warns(graphamp.EagerPathWarning, match="differ from eager"), torch.no_grad():
-        out = compiled(model)(x, ones)
-    assert not torch.equal(out, ref)
-
-
 # A method cached by shape, device and dtype (transformers' compile_compatible_method_lru_cache:
 # DETR-family and SAM3 position embeddings, hf/maskformer and hf/sam3_vision_model): uncached while
 # compiling, cached in eager. An eager autocast call before compiling fills the bf16 entry, so the
@@ -393,3 +380,97 @@ def test_masks_that_cannot_be_computed_run_dynamos_program_and_say_so():
     with pytest.warns(graphamp.EagerPathWarning, match="could not compute the attention masks"):
         assert run(torch.ones(2)) == "dynamo's"
     assert run(torch.ones(2)) == "dynamo's"  # warned once
+
+
+# The same drop before eager attention (hf/bridgetower): eager's Python adds no mask, dynamo's graph
+# adds the fp32 zero mask to the bf16 scores, which promotes them, so softmax and the attention
+# weights come out fp32 where eager autocast gives bf16. No call records the drop; the backend splits
+# where the program without the add is the one that gives eager's outputs on the example.
+
+class AddsAnAllOnesMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        bias = (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+        if not torch.compiler.is_compiling() and bool(mask.all()):
+            bias = None
+        scores = q @ k.transpose(-1, -2) * 0.5
+        if bias is not None:
+            scores = scores + bias
+        weights = scores.softmax(-1)
+        return weights @ v, weights
+
+
+@pytest.mark.parametrize("ambient", [False, True], ids=["outside", "inside_autocast"])
+def test_a_mask_eager_attention_drops_is_followed_per_call(ambient):
+    torch.manual_seed(0)
+    model, x = AddsAnAllOnesMask().eval(), torch.randn(2, 6, 8)
+    ones, padded = _all_ones_and_padded()
+    cm = compiled(model)
+    for mask in (ones, padded, ones):  # eager's program, dynamo's, eager's again
+        ref, _ = run_eager(model, (x, mask), {}, torch.bfloat16, grads=False)
+        with torch.no_grad(), (torch.autocast("cpu", dtype=torch.bfloat16) if ambient else contextlib.nullcontext()):
+            out = cm(x, mask)
+        assert_same_outputs(out, ref)
+        assert out[1].dtype == torch.bfloat16 if mask is ones else out[1].dtype == torch.float32
+
+
+def test_a_mask_eager_attention_drops_is_followed_in_training():
+    torch.manual_seed(0)
+    model, x = AddsAnAllOnesMask().train(), torch.randn(2, 6, 8)
+    cm = compiled(model)
+    for mask in _all_ones_and_padded():
+        ref, ref_grads = run_eager(model, (x, mask), {}, torch.bfloat16, grads=True)
+        model.zero_grad(set_to_none=True)
+        out = cm(x, mask)
+        _loss(out).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert_same_outputs(out, ref)
+        assert_same_grads(grads, ref_grads)
+
+
+@pytest.mark.parametrize("split, cls", [("split_dropped_masks", DropsAnAllOnesMask), ("split_dropped_adds", AddsAnAllOnesMask)])
+def test_without_the_split_the_dropped_mask_really_differs(monkeypatch, split, cls):
+    import graphamp.backend as backend
+
+    monkeypatch.setattr(backend, split, lambda *a, **k: None)
+    torch.manual_seed(0)
+    model, x = cls().eval(), torch.randn(2, 6, 8)
+    ones, _ = _all_ones_and_padded()
+    ref, _ = run_eager(model, (x, ones), {}, torch.bfloat16, grads=False)
+    with pytest.warns(graphamp.EagerPathWarning, match="differ from eager"), torch.no_grad():
+        out = compiled(model)(x, ones)
+    assert out[1].dtype != ref[1].dtype if cls is AddsAnAllOnesMask else not torch.equal(out, ref)
+
+
+def test_only_masks_from_the_inputs_alone_that_are_zero_are_dropped():
+    from graphamp.backend.dropped_masks import added_masks, split_dropped_adds
+
+    class Adds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shift = nn.Parameter(torch.zeros(6))  # zero, but a parameter: never a mask
+
+        def forward(self, x, mask):
+            bias = (1.0 - mask[:, None, :].float()) * -1e9
+            return (x + self.shift) + bias, x + mask[:, None, :].float()  # the second is not zero
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    ones, padded = _all_ones_and_padded()
+    torch.compile(Adds(), backend=capture)(torch.randn(2, 3, 6), ones)
+    gm, example = graphs[0]
+    assert len(added_masks(gm)) == 2  # the bias and the second mask; not the parameter
+    split = split_dropped_adds(gm, example)
+    assert [p.kind for p in split.patterns] == ["all"]
+    assert sum(1 for n in split.eager_program.graph.nodes if n.op == "call_function" and "add" in str(n.target)) == 2
+    assert split.patterns[0].matches(split.masks(*example)[0])
+    padded_example = [padded if t is example[-1] or (isinstance(t, torch.Tensor) and t.dtype == torch.long) else t for t in example]
+    assert not split.patterns[0].matches(split.masks(*padded_example)[0])

@@ -46,9 +46,9 @@ from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type
 from graphamp.backend.options import BackendOptions
 from graphamp.backend.eager_dtypes import follow_eager_dtypes, graph_break_site
 from graphamp.backend.eager_regions import follow_eager_regions
-from graphamp.backend.eager_check import check_outputs
-from graphamp.backend.observe import Frame, compiled_frame, eager_run, frame_name, observe_eager_frame
-from graphamp.backend.dropped_masks import dispatch, eager_sdpa_calls_for, split_dropped_masks
+from graphamp.backend.eager_check import check_outputs, matches_eager
+from graphamp.backend.observe import EagerRun, Frame, compiled_frame, eager_run, frame_name, observe_eager_frame
+from graphamp.backend.dropped_masks import Split, dispatch, eager_sdpa_calls_for, split_dropped_adds, split_dropped_masks
 from graphamp.probe import SdpaCall
 from graphamp.backend.retrace import _retrace
 from graphamp.backend.fill_values import check_fill_values
@@ -120,9 +120,13 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
     split = split_dropped_masks(gm, sdpa_calls, example_inputs)
     with autocast_off():
         amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=[] if split else sdpa_calls)
+        eager_gm = None
+        if split is None and eager is not None:
+            # Eager attention's ``scores + mask`` with a mask eager dropped: (graphamp.backend.dropped_masks).
+            split, eager_gm = _follow_dropped_adds(gm, amp_gm, example_inputs, spec, ambient=ambient, frame=frame, eager=eager, sdpa_calls=sdpa_calls)
         compiled = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, inductor_mode, inference=inference))
         if split is not None:
-            amp_gm = rewrite(split.eager_program, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=sdpa_calls)
+            amp_gm = eager_gm or rewrite(split.eager_program, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=sdpa_calls)
             eager_program = _run_without_autocast(_hand_off(amp_gm, example_inputs, opts.inner, inductor_mode, inference=inference))
             compiled = dispatch(split, eager_program, compiled)
     if spec.check and opts.self_check:
@@ -175,6 +179,22 @@ def rewrite(
                 "stay the only ones applied."
             ) from e
     return amp_gm
+
+
+def _follow_dropped_adds(
+    gm: GraphModule, amp_gm: GraphModule, example_inputs: Sequence[Any], spec: AmpSpec, *, ambient: bool,
+    frame: Frame | None, eager: EagerRun, sdpa_calls: list[SdpaCall] | None,
+) -> tuple[Split | None, GraphModule | None]:
+    """The split between eager's program and dynamo's where dynamo's graph adds a mask that is zero on
+    this call, its rewrite ``amp_gm`` differs from eager autocast here, and the rewrite of the graph
+    without those adds matches it exactly (with that rewrite); else (None, None)."""
+    split = split_dropped_adds(gm, example_inputs)
+    if split is None or matches_eager(amp_gm, example_inputs, frame, eager, graph=amp_gm, traced=gm):
+        return None, None
+    candidate = rewrite(split.eager_program, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=sdpa_calls)
+    if not matches_eager(candidate, example_inputs, frame, eager, graph=candidate, traced=gm):
+        return None, None
+    return split, candidate
 
 
 def _warn_code_between_graphs(name: str, site: str, device_type: str, dtype: torch.dtype) -> None:

@@ -16,10 +16,18 @@ eager's program where every such mask has the pattern it had on the example (eve
 attends, or causal), dynamo's otherwise. That stands for eager's own test (the padding mask is all
 ones) as long as the sizes decide the rest of the mask, as they do in transformers' mask functions.
 A call whose masks cannot be computed runs dynamo's program, with an ``EagerPathWarning`` once.
+
+Eager attention (``scores + mask``, then softmax) drops the mask the same way, and there no call
+records it: adding the fp32 zero mask only promotes the low-precision scores to fp32, so dynamo's
+program returns fp32 attention weights where eager's returns bf16. :func:`split_dropped_adds` finds
+the adds of a mask computed from the call's inputs alone (no parameter) that is zero on the example;
+the backend splits there only where dynamo's program differs from eager autocast on the example and
+the program without those adds gives eager's outputs exactly.
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -34,7 +42,7 @@ from graphamp.passes.graph_edit import ancestors, input_dependent
 from graphamp.probe import SdpaCall
 from graphamp.spec import autocast_off
 
-__all__ = ["MaskPattern", "Split", "dispatch", "eager_sdpa_calls_for", "sdpa_nodes", "split_dropped_masks"]
+__all__ = ["MaskPattern", "Split", "added_masks", "dispatch", "eager_sdpa_calls_for", "sdpa_nodes", "split_dropped_adds", "split_dropped_masks"]
 
 _TORCH_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 # F.scaled_dot_product_attention's arguments after (query, key, value), in order.
@@ -115,7 +123,7 @@ def split_dropped_masks(gm: GraphModule, calls: Sequence[SdpaCall] | None, examp
     if not nodes or calls is None or len(calls) < len(nodes):
         return None
     dropped = [(i, call) for i, (node, call) in enumerate(zip(nodes, calls)) if not call.masked and input_dependent(_mask(node))]
-    if not dropped:
+    if not dropped or any(_stateful(n) for i, _ in dropped for n in ancestors(_mask(nodes[i]))):
         return None
     masks = _mask_graph(gm, [_mask(nodes[i]) for i, _ in dropped])
     try:
@@ -125,6 +133,82 @@ def split_dropped_masks(gm: GraphModule, calls: Sequence[SdpaCall] | None, examp
     except Exception:  # a mask that cannot be computed here: keep dynamo's program alone
         return None
     return Split(_without_masks(gm, dict(dropped)), masks, patterns)
+
+
+def _value(node: Any) -> Any:
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, Node) else None
+
+
+# Calls that change the process's state (vmap levels, grad mode, autocast) as they run: a mask
+# computed after one of them cannot be computed alone, without its pair that restores the state.
+_STATEFUL = ("functorch", "grad_enabled", "autocast")
+
+
+def _stateful(node: Node) -> bool:
+    target = node.target
+    name = f"{getattr(target, '__module__', '') or ''}.{getattr(target, '__name__', target)}"
+    return node.op == "call_function" and any(word in name for word in _STATEFUL)
+
+
+def _from_inputs_alone(node: Node) -> bool:
+    """Whether ``node`` is computed from the call's inputs and constants alone, by stateless calls:
+    no placeholder that requires grad (a parameter), nor a state change, among what it is computed from."""
+    return not any(
+        _stateful(n) or (n.op == "placeholder" and getattr(_value(n), "requires_grad", False))
+        for n in (node, *ancestors(node))
+    )
+
+
+def added_masks(gm: GraphModule) -> list[tuple[Node, Node, Node]]:
+    """Dynamo's adds of a floating-point mask computed from the call's inputs alone to another value
+    of the add's own shape (eager attention's ``scores + mask``): (add, mask, the other value)."""
+    found = []
+    for node in gm.graph.nodes:
+        is_add = (node.op == "call_function" and node.target in (operator.add, torch.add)) or (node.op == "call_method" and node.target == "add")
+        if not is_add or len(node.args) != 2 or node.kwargs:
+            continue
+        out = _value(node)
+        for mask, other in (node.args, node.args[::-1]):
+            m, o = _value(mask), _value(other)
+            if not (isinstance(m, torch.Tensor) and isinstance(o, torch.Tensor) and isinstance(out, torch.Tensor)):
+                continue
+            if m.is_floating_point() and o.shape == out.shape and input_dependent(mask) and _from_inputs_alone(mask):
+                found.append((node, mask, other))
+                break
+    return found
+
+
+def split_dropped_adds(gm: GraphModule, example_inputs: Sequence[Any]) -> Split | None:
+    """The split where ``gm`` adds masks (:func:`added_masks`) that are zero on the example: the
+    graph without those adds, the graph of the masks, and their pattern ("all": every position
+    attends). None where there is no such add. Whether eager dropped them is the caller's to show."""
+    adds = added_masks(gm)
+    if not adds:
+        return None
+    masks = _mask_graph(gm, [mask for _, mask, _ in adds])
+    try:
+        with torch.no_grad(), autocast_off():
+            values = masks(*[_hint(x) for x in example_inputs])
+    except Exception:  # a mask that cannot be computed here: keep dynamo's program alone
+        return None
+    zero = [(add, mask, other) for (add, mask, other), v in zip(adds, values) if MaskPattern.of(v).kind == "all"]
+    if not zero:
+        return None
+    return Split(_without_adds(gm, {add.name for add, _, _ in zero}), _mask_graph(gm, [mask for _, mask, _ in zero]), [MaskPattern("all")] * len(zero))
+
+
+def _without_adds(gm: GraphModule, names: set[str]) -> GraphModule:
+    """A copy of ``gm`` in which each add named in ``names`` is replaced by its other operand."""
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    copy = GraphModule(gm, graph)
+    for add, _, other in added_masks(copy):
+        if add.name in names:
+            add.replace_all_uses_with(other)
+            copy.graph.erase_node(add)
+    copy.recompile()
+    return copy
 
 
 def _hint(x: Any) -> Any:

@@ -38,7 +38,7 @@ from graphamp.eager import fixed_loss, rng_kept
 from graphamp.errors import CheckSkippedWarning, EagerPathWarning
 from graphamp.spec import autocast_off
 
-__all__ = ["Where", "check_outputs", "flat_pairs", "output_difference"]
+__all__ = ["Where", "check_outputs", "flat_pairs", "matches_eager", "output_difference"]
 
 # Ops whose results depend on the random state: two programs draw alike only if they call them
 # alike, so a graph that draws is not compared (a difference there says nothing about dtypes).
@@ -225,50 +225,85 @@ def check_outputs(
                 "torch), so the compiled graph was not compared with eager autocast."
             ))
         return False
-    drawn = _draws(graph)
-    if drawn:
-        _skip(name, "random", frame=frame, message=(
-            f"the graph draws random numbers ({', '.join(drawn)}), as dropout does in training, and eager autocast "
-            "and the compiled graph do not draw alike, so its outputs and gradients were not compared with eager "
-            "autocast's. Check it in eval mode (model.eval() turns dropout off)."
-        ))
-        return False
-    if eager is None:
+    if eager is None and not _draws(graph):
         _skip(name, "error", frame=frame, message=f"eager autocast could not run the frame here ({_eager_failure(frame, device_type, dtype, cache_enabled)}), so the compiled graph was not compared with it.")
         return False
-    # The graph may update buffers in place (batch-norm statistics): it runs on copies of them.
-    inputs = [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter) else x for x in example_inputs]
-    # A dynamic size arrives as a SymInt of dynamo's shape environment: computing with it here would
-    # add guards (and specialize the graph); its value on this call is its hint.
-    inputs = [_hint(x) for x in inputs]
-    if any(x is None for x in inputs):
-        _skip(name, "error", frame=frame, message="a size of this call has no value to run with (an unbacked symbolic size), so the compiled graph was not compared with eager autocast.")
-        return False
     try:
-        with autocast_off(), torch.no_grad(), rng_kept(seed=0):
-            outs = _flat(run(*inputs))
-    except Exception as e:  # the check is advisory: said, not raised
-        _skip(name, "error", frame=frame, message=f"the compiled graph raised when the check ran it ({_error(e)}), so it was not compared with eager autocast.")
-        return False
-    # What the frame returns as it received it (a value a resume function passes through) is no graph's.
-    received = [*example_inputs, *pytree.tree_leaves((frame.args, frame.kwargs))]
-    received += [t for m in _modules_reached(frame) for t in (*m.parameters(), *m.buffers())]
-    try:
-        pairs = _pairs(traced, eager.result, outs, received)
-    except _Unpaired as e:
-        _skip(name, "unpaired", frame=frame, message=f"the backend could not pair the graph's outputs with the value the frame returns ({e}), so they were not compared with eager autocast's.")
+        pairs, differences = _compare(run, example_inputs, frame, eager, graph=graph, traced=traced)
+    except _CannotCompare as e:
+        _skip(name, e.reason, frame=frame, message=e.message)
         return False
     if not pairs:
-        if any(isinstance(o, torch.Tensor) for o in outs):
-            _skip(name, "unpaired", frame=frame, message="the frame returns none of the graph's outputs (it stores them elsewhere), so they were not compared with eager autocast's.")
         return False
-    differences = _differences(outs, eager.result, pairs)
     if differences:
         _warn_outputs(name, differences, len(pairs), "")
         return True
     if grads:
         _check_gradients(name, run, example_inputs, frame, pairs, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
     return True
+
+
+class _CannotCompare(Exception):
+    """The comparison cannot be made: ``reason`` (CheckSkippedWarning's) and ``message`` say why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+def _compare(
+    run: Callable[..., Any], example_inputs: Sequence[Any], frame: Frame, eager: EagerRun | None, *,
+    graph: GraphModule, traced: GraphModule | None,
+) -> tuple[list[tuple[int, Where]], list[tuple[int, Where, str]]]:
+    """Run ``run`` on the call's inputs and pair its outputs with eager autocast's result: the
+    pairs and their differences (no pairs where the frame returns none of the graph's outputs).
+    Raises _CannotCompare where it cannot."""
+    drawn = _draws(graph)
+    if drawn:
+        raise _CannotCompare("random", (
+            f"the graph draws random numbers ({', '.join(drawn)}), as dropout does in training, and eager autocast "
+            "and the compiled graph do not draw alike, so its outputs and gradients were not compared with eager "
+            "autocast's. Check it in eval mode (model.eval() turns dropout off)."
+        ))
+    if eager is None:
+        raise _CannotCompare("error", "eager autocast could not run the frame here, so the compiled graph was not compared with it.")
+    # The graph may update buffers in place (batch-norm statistics): it runs on copies of them.
+    inputs = [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter) else x for x in example_inputs]
+    # A dynamic size arrives as a SymInt of dynamo's shape environment: computing with it here would
+    # add guards (and specialize the graph); its value on this call is its hint.
+    inputs = [_hint(x) for x in inputs]
+    if any(x is None for x in inputs):
+        raise _CannotCompare("error", "a size of this call has no value to run with (an unbacked symbolic size), so the compiled graph was not compared with eager autocast.")
+    try:
+        with autocast_off(), torch.no_grad(), rng_kept(seed=0):
+            outs = _flat(run(*inputs))
+    except Exception as e:  # the check is advisory: said, not raised
+        raise _CannotCompare("error", f"the compiled graph raised when the check ran it ({_error(e)}), so it was not compared with eager autocast.") from e
+    # What the frame returns as it received it (a value a resume function passes through) is no graph's.
+    received = [*example_inputs, *pytree.tree_leaves((frame.args, frame.kwargs))]
+    received += [t for m in _modules_reached(frame) for t in (*m.parameters(), *m.buffers())]
+    try:
+        pairs = _pairs(traced, eager.result, outs, received)
+    except _Unpaired as e:
+        raise _CannotCompare("unpaired", f"the backend could not pair the graph's outputs with the value the frame returns ({e}), so they were not compared with eager autocast's.") from e
+    if not pairs and any(isinstance(o, torch.Tensor) for o in outs):
+        raise _CannotCompare("unpaired", "the frame returns none of the graph's outputs (it stores them elsewhere), so they were not compared with eager autocast's.")
+    return pairs, _differences(outs, eager.result, pairs)
+
+
+def matches_eager(
+    run: Callable[..., Any], example_inputs: Sequence[Any], frame: Frame | None, eager: EagerRun | None, *,
+    graph: GraphModule, traced: GraphModule | None = None,
+) -> bool:
+    """Whether ``run`` (the rewritten ``graph``) gives eager autocast's outputs on this call, value
+    and dtype, silently: False where that cannot be shown."""
+    if frame is None or (traced is not None and _ends_at_graph_break(traced)):
+        return False
+    try:
+        pairs, differences = _compare(run, example_inputs, frame, eager, graph=graph, traced=traced)
+    except _CannotCompare:
+        return False
+    return bool(pairs) and not differences
 
 
 def _pairs(traced: GraphModule | None, result: Any, outs: list[Any], received: list[Any]) -> list[tuple[int, Where]]:
