@@ -43,9 +43,11 @@ did not change, ``"slow"`` otherwise, with its innermost frames under ``stack``;
 LIMIT`` runs the slow ones again with a longer limit. The limit counts running time only: a run
 paused with ``kill -STOP`` (census or worker) makes no time-outs. ``--resume`` refuses a results file written at
 another commit, on another CPU class or with other library versions (one table, one commit, one
-machine) unless ``--allow-mixed``.
+machine) unless ``--allow-mixed``. ``scripts/census-continue FILE`` continues a file in a later
+session: a worktree at the file's commit, its transformers, timm and diffusers versions, ``--resume``.
 
     scripts/census                                   # everything, resumable: --resume
+    scripts/census-continue FILE [--retry-unfinished] # FILE's commit and versions, resumed
     scripts/census --only 'timm/|diffusers/' --jobs 1
     scripts/census --resume --rerun-slow 600          # the slow time-outs again, 600 s each
     .venv/bin/python benchmarks/census.py --summary benchmarks/results/census.jsonl --markdown
