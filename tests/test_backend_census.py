@@ -432,11 +432,19 @@ def test_a_mask_eager_attention_drops_is_followed_in_training():
         assert_same_grads(grads, ref_grads)
 
 
-@pytest.mark.parametrize("split, cls", [("split_dropped_masks", DropsAnAllOnesMask), ("split_dropped_adds", AddsAnAllOnesMask)])
-def test_without_the_split_the_dropped_mask_really_differs(monkeypatch, split, cls):
+def _fails(*args, **kwargs):
+    raise RuntimeError("a graph the split cannot handle")
+
+
+@pytest.mark.parametrize("split, cls, replacement", [
+    ("split_dropped_masks", DropsAnAllOnesMask, lambda *a, **k: None),
+    ("split_dropped_adds", AddsAnAllOnesMask, lambda *a, **k: None),
+    ("split_dropped_adds", AddsAnAllOnesMask, _fails),  # never a crash: dynamo's program, checked
+], ids=["sdpa", "add", "add_fails"])
+def test_without_the_split_the_dropped_mask_really_differs(monkeypatch, split, cls, replacement):
     import graphamp.backend as backend
 
-    monkeypatch.setattr(backend, split, lambda *a, **k: None)
+    monkeypatch.setattr(backend, split, replacement)
     torch.manual_seed(0)
     model, x = cls().eval(), torch.randn(2, 6, 8)
     ones, _ = _all_ones_and_padded()

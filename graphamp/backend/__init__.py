@@ -188,10 +188,13 @@ def _follow_dropped_adds(
     """The split between eager's program and dynamo's where dynamo's graph adds a mask that is zero on
     this call, its rewrite ``amp_gm`` differs from eager autocast here, and the rewrite of the graph
     without those adds matches it exactly (with that rewrite); else (None, None)."""
-    split = split_dropped_adds(gm, example_inputs)
-    if split is None or matches_eager(amp_gm, example_inputs, frame, eager, graph=amp_gm, traced=gm):
+    try:
+        split = split_dropped_adds(gm, example_inputs)
+        if split is None or matches_eager(amp_gm, example_inputs, frame, eager, graph=amp_gm, traced=gm):
+            return None, None
+        candidate = rewrite(split.eager_program, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=sdpa_calls)
+    except Exception:  # no candidate, or one that cannot be rewritten: dynamo's program stays, and is checked
         return None, None
-    candidate = rewrite(split.eager_program, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=sdpa_calls)
     if not matches_eager(candidate, example_inputs, frame, eager, graph=candidate, traced=gm):
         return None, None
     return split, candidate
