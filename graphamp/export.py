@@ -82,9 +82,9 @@ def export(
 
     Raises:
         graphamp.CaptureError: the model cannot be captured as one graph (data-dependent control flow).
-        graphamp.ExportError: the graph would need graphamp at run time (a custom
-            ``autograd.Function`` graphamp keeps whole), or the program differs from eager
-            autocast on the example (``self_check``).
+        graphamp.ExportError: the graph would need graphamp at run time, or the program differs
+            from eager autocast on the example (``self_check``). A custom ``autograd.Function``
+            is traced through: its forward, as eager autocast runs it (no backward is exported).
 
     >>> import graphamp
     >>> model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4), nn.LayerNorm(4))
@@ -227,16 +227,8 @@ def check_portable(gm: GraphModule, *, stage: str = "the graph", allow: tuple = 
                 )
             if node.op == "call_function" and getattr(target, "__module__", "").startswith("graphamp") and target not in allow:
                 what = getattr(target, "__qualname__", str(target))
-                hint = (
-                    "a custom torch.autograd.Function, which graphamp keeps whole and applies at run "
-                    "time. Way out: make the Function's forward plain tensor code called directly "
-                    "(inference needs no custom backward), or deploy graphamp.convert(model, args, "
-                    "inference=True) with graphamp installed"
-                    if what == "apply_function" else
-                    "graphamp's runtime. Way out: deploy graphamp.convert(model, args, inference=True) "
-                    "with graphamp installed"
-                )
                 raise ExportError(
                     f"{stage} calls graphamp.{getattr(target, '__module__', '').removeprefix('graphamp.')}.{what} "
-                    f"at node {node.name!r}, so it would not load without graphamp: it comes from {hint}."
+                    f"at node {node.name!r}, so it would not load without graphamp: it comes from graphamp's "
+                    "runtime. Way out: deploy graphamp.convert(model, args, inference=True) with graphamp installed."
                 )

@@ -211,7 +211,9 @@ def all_ones_masks_dropped(model: nn.Module, args: tuple, kwargs: dict, spec: Am
 def _guard_eager_reads(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, grads: bool) -> None:
     """Guards in ``gm`` on the tensor values eager reads to choose its program (see
     ``capture.values.guard_eager_reads``); a warning for those no guard can check."""
-    unguarded = guard_eager_reads(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
+    unguarded = guard_eager_reads(
+        gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads, keep_functions=spec.target != "export",
+    )
     if spec.target == "export":  # a deployed program may not call graphamp: ATen assertions instead
         unguarded += guards_as_asserts(gm)
     if unguarded:
@@ -237,11 +239,13 @@ def captured(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> torc
     """The model's graph as the passes take it: captured (by torch.export, or on values), its eager
     value reads guarded, and what eager did at its attention calls observed."""
     grads = not (spec.inference or spec.no_grad) and spec.target == "module"
+    # An exported program runs no backward and may not call graphamp: custom Functions are traced through.
+    keep = spec.target != "export"
     with capture_lock(), autocast_off():
         if spec.capture == "values":
-            gm = capture_by_values(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
+            gm = capture_by_values(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads, keep_functions=keep)
         else:
-            gm = capture(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads)
+            gm = capture(model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype, grads=grads, keep_functions=keep)
             if spec.target in ("module", "export"):
                 _guard_eager_reads(gm, model, args, kwargs, spec, grads)
         observe_eager(gm, model, args, kwargs, device_type=spec.device_type, dtype=spec.dtype)

@@ -241,18 +241,55 @@ class _Ste(torch.autograd.Function):
         return g
 
 
-class _WithFunction(nn.Module):
+class _GeluMatmul(torch.autograd.Function):
+    """A Function whose forward autocast reaches in eager (a matmul), as BLOOM's GeLU is one."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.nn.functional.gelu(x @ w, approximate="tanh")
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Fp32Inside(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, x, w):
+        return (x @ w).softmax(-1)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, g):
+        return g, None
+
+
+class _WithFunctions(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, 4))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Ste.apply(self.lin(x))
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.lin(x)
+        return _Ste.apply(y), _GeluMatmul.apply(y, self.w), _Fp32Inside.apply(y, self.w)
 
 
-def test_kept_function_is_an_export_error_naming_it():
-    with pytest.raises(graphamp.ExportError, match="autograd.Function.*Way out"):
-        graphamp.export(_WithFunction(), (torch.randn(2, 4),))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_custom_functions_are_traced_through_into_a_program_without_graphamp(dtype):
+    # convert keeps a Function whole for its own backward; a program runs none, and may not call
+    # graphamp: each forward is traced as eager runs it (autocast inside, custom_fwd's fp32 region).
+    torch.manual_seed(0)
+    model, x = _WithFunctions().eval(), torch.randn(3, 4)
+    ep = graphamp.export(model, (x,), dtype=dtype)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        expected = model(x)
+    got = ep.module()(x)
+    assert [t.dtype for t in got] == [dtype, dtype, torch.float32]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert not any("graphamp" in str(n.target) for n in ep.graph.nodes)
 
 
 def test_export_leaves_the_model_alone():

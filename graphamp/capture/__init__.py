@@ -53,10 +53,14 @@ def capture(
     device_type: str,
     dtype: torch.dtype,
     grads: bool = True,
+    keep_functions: bool = True,
 ) -> torch.fx.GraphModule:
     """Export ``model`` under autocast(device_type, dtype) and return the unlifted graph module.
 
     ``grads=False`` declares that no gradient will be taken through the result (inference, export).
+    ``keep_functions=False`` traces each custom ``autograd.Function``'s forward through (under
+    ``no_grad``, as eager runs it) instead of keeping the Function whole: for a program that never
+    runs backward and may not call graphamp (``graphamp.export``).
 
     Parameters and buffers are attributes of the returned module (the model's own objects),
     inputs and outputs keep their pytree structure, and every dim is symbolic where the model's
@@ -74,11 +78,11 @@ def capture(
         with capture_lock(), torch.enable_grad() if grads else contextlib.nullcontext():
             with host_draws_refused(model):
                 try:
-                    ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
+                    ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype, keep_functions)
                 except Exception as e:
                     if not _cache_pytrees_registered(model, e):
                         raise
-                    ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype)
+                    ep, keeper, static = _export_first_that_works(model, args, kwargs, device_type, dtype, keep_functions)
     except GraphampError:
         raise
     except Exception as e:
@@ -131,7 +135,7 @@ def _cache_pytrees_registered(model: nn.Module, e: BaseException) -> bool:
 
 
 def _export_first_that_works(
-    model: nn.Module, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype,
+    model: nn.Module, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype, keep_functions: bool = True,
 ) -> tuple[torch.export.ExportedProgram, Any, bool]:
     """Export the eager program with symbolic sizes, else with the example's sizes, else the program
     torch.export and torch.compile see (``is_compiling()`` True), symbolic then static; with whether
@@ -146,7 +150,7 @@ def _export_first_that_works(
     for eager_flags in (True, False):
         for shapes in (every_dim, None):
             try:
-                ep, keeper = _export(model, args, kwargs, shapes, device_type, dtype, eager_flags=eager_flags)
+                ep, keeper = _export(model, args, kwargs, shapes, device_type, dtype, eager_flags=eager_flags, keep_functions=keep_functions)
             except GraphampError:
                 raise
             except Exception as e:

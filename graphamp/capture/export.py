@@ -218,9 +218,9 @@ def _is_autocast_rejection(e: BaseException) -> bool:
 
 def _export(
     model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, device_type: str, dtype: torch.dtype,
-    *, eager_flags: bool,
+    *, eager_flags: bool, keep_functions: bool = True,
 ) -> tuple[torch.export.ExportedProgram, _FunctionKeeper]:
-    keeper = _FunctionKeeper()
+    keeper = _FunctionKeeper(keep=keep_functions)
     # backed_size_oblivious lets a dim traced at size >= 2 also accept size 1 at run time
     # (batch 1 inference) instead of pinning the range to [2, inf).
     with (

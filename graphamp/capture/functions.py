@@ -37,12 +37,15 @@ class _FunctionKeeper:
 
     ``Function.apply`` is patched for the duration (torch 2.13 offers no hook for it other than
     decorating each Function class); calls from other threads, from inside a kept Function's
-    forward, or outside export's tracer go to the original.
+    forward, or outside export's tracer go to the original. ``keep=False`` (a program for
+    ``graphamp.export``, which never runs backward and may not call graphamp) keeps none: each
+    Function's forward is traced through under ``no_grad``, as eager runs it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
         self.kept: dict[str, KeptFunction] = {}
         self.busy = False
+        self.keep = keep
 
     def __enter__(self) -> _FunctionKeeper:
         global _patch_users
@@ -65,10 +68,10 @@ class _FunctionKeeper:
     def record(self, cls: type, apply: Callable[..., Any], tracer: Any, args: tuple, kwargs: dict) -> Any:
         name = qualified_name(cls)
         template, values = _split((args, kwargs))
-        if not values:
-            # No tensor in, so no gradient out: eager's outputs do not require grad, and its
-            # forward's ops are all there is to reproduce. Traced through under no_grad, as eager
-            # runs a Function's forward, they get graphamp's casts like any other ops.
+        if not values or not self.keep:
+            # No tensor in, so no gradient out (or no backward will run): eager's outputs do not
+            # require grad, and its forward's ops are all there is to reproduce. Traced through
+            # under no_grad, as eager runs a Function's forward, they get graphamp's casts like any other ops.
             with torch.no_grad():
                 return apply(*args, **kwargs)
         hidden = [h for v in _constants(template) for h in _hidden_tensors(v)]

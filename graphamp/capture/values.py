@@ -55,11 +55,12 @@ __all__ = ["capture_by_values"]
 
 def capture_by_values(
     model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype, grads: bool = True,
-    flip: int | None = None,
+    flip: int | None = None, keep_functions: bool = True,
 ) -> GraphModule:
     """The graph of eager's program on this example, traced on its values under autocast(device_type,
     dtype), with guards on what it follows; in the form ``capture`` returns (parameters and buffers as
-    the model's own attributes, the inputs' and outputs' pytree), every size static."""
+    the model's own attributes, the inputs' and outputs' pytree), every size static.
+    ``keep_functions`` as for ``capture``."""
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
     flat, in_spec = pytree.tree_flatten((args, kwargs))
@@ -75,7 +76,7 @@ def capture_by_values(
         return leaves
 
     run._orig_mod = model  # make_fx records each node's module stack relative to the model
-    keeper = _FunctionKeeper()
+    keeper = _FunctionKeeper(keep=keep_functions)
     rng = RngState()
     try:
         with (
@@ -442,6 +443,7 @@ def _size_free(node: Node) -> bool:
 
 def guard_eager_reads(
     gm: GraphModule, model: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype, grads: bool,
+    keep_functions: bool = True,
 ) -> list[str]:
     """Give a graph torch.export captured the guards the capture on values finds, where they hold
     for any size: eager reads those values to choose its program (transformers' ``mask.all()``), the
@@ -451,7 +453,7 @@ def guard_eager_reads(
     if not eager_reads(model, args, kwargs, device_type=device_type, dtype=dtype):
         return []
     try:
-        traced = capture_by_values(model, args, kwargs, device_type=device_type, dtype=dtype, grads=grads)
+        traced = capture_by_values(model, args, kwargs, device_type=device_type, dtype=dtype, grads=grads, keep_functions=keep_functions)
     except CaptureError as e:
         return [f"(the capture on values failed: {str(e).splitlines()[0][:160]})"]
     ours, theirs = gm.graph.find_nodes(op="placeholder"), traced.graph.find_nodes(op="placeholder")
@@ -473,7 +475,9 @@ def guard_eager_reads(
             return True
         if where not in decided:
             try:
-                flipped = capture_by_values(model, args, kwargs, device_type=device_type, dtype=dtype, grads=grads, flip=key)
+                flipped = capture_by_values(
+                    model, args, kwargs, device_type=device_type, dtype=dtype, grads=grads, flip=key, keep_functions=keep_functions,
+                )
                 decided[where] = _program(flipped) != program
             except Exception:
                 decided[where] = True
