@@ -194,21 +194,33 @@ def split_dropped_adds(gm: GraphModule, example_inputs: Sequence[Any]) -> Split 
     zero = [(add, mask, other) for (add, mask, other), v in zip(adds, values) if MaskPattern.of(v).kind == "all"]
     if not zero:
         return None
+    # The graph every call runs computes the zero masks alone; the one above, of every candidate, ran once.
     return Split(_without_adds(gm, {add.name for add, _, _ in zero}), _mask_graph(gm, [mask for _, mask, _ in zero]), [MaskPattern("all")] * len(zero))
+
+
+def _edited_copy(gm: GraphModule, edit: Callable[[GraphModule], None]) -> GraphModule:
+    """A copy of ``gm`` with ``edit`` applied to the copy's graph, recompiled."""
+    graph = Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = GraphModule(gm, graph)
+    edit(copy)
+    # No dead-code elimination here: FX's drops an in-place write whose result goes unused (a
+    # mixture-of-experts sum by index_add_, hf/deepseek_v3), and the re-trace leaves out what
+    # nothing reads anyway.
+    copy.recompile()
+    return copy
 
 
 def _without_adds(gm: GraphModule, names: set[str]) -> GraphModule:
     """A copy of ``gm`` in which each add named in ``names`` is replaced by its other operand."""
-    graph = Graph()
-    env: dict[Node, Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
-    copy = GraphModule(gm, graph)
-    for add, _, other in added_masks(copy):
-        if add.name in names:
-            add.replace_all_uses_with(other)
-            copy.graph.erase_node(add)
-    copy.recompile()
-    return copy
+
+    def edit(copy: GraphModule) -> None:
+        for add, _, other in added_masks(copy):
+            if add.name in names:
+                add.replace_all_uses_with(other)
+                copy.graph.erase_node(add)
+
+    return _edited_copy(gm, edit)
 
 
 def _hint(x: Any) -> Any:
@@ -217,21 +229,15 @@ def _hint(x: Any) -> Any:
 
 def _without_masks(gm: GraphModule, dropped: dict[int, SdpaCall]) -> GraphModule:
     """A copy of ``gm`` whose SDPA calls numbered in ``dropped`` take no mask and eager's ``is_causal``."""
-    graph = Graph()
-    env: dict[Node, Node] = {}
-    out = graph.graph_copy(gm.graph, env)
-    graph.output(out)
-    copy = GraphModule(gm, graph)
-    for i, node in enumerate(sdpa_nodes(copy)):
-        if i in dropped:
-            positional = dict(zip(_SDPA_OPTIONAL, node.args[3:]))
-            node.kwargs = {**positional, **node.kwargs, "attn_mask": None, "is_causal": dropped[i].is_causal}
-            node.args = node.args[:3]
-    # No dead-code elimination here: FX's drops an in-place write whose result goes unused (a
-    # mixture-of-experts sum by index_add_, hf/deepseek_v3), and the re-trace leaves out what
-    # nothing reads anyway.
-    copy.recompile()
-    return copy
+
+    def edit(copy: GraphModule) -> None:
+        for i, node in enumerate(sdpa_nodes(copy)):
+            if i in dropped:
+                positional = dict(zip(_SDPA_OPTIONAL, node.args[3:]))
+                node.kwargs = {**positional, **node.kwargs, "attn_mask": None, "is_causal": dropped[i].is_causal}
+                node.args = node.args[:3]
+
+    return _edited_copy(gm, edit)
 
 
 def _mask_graph(gm: GraphModule, masks: list[Node]) -> GraphModule:
