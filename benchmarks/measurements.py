@@ -142,12 +142,15 @@ CITED = (
           "hf/llama hf/t5 hf/vit timm/resnet18 timm/mobilenetv3_small_050 diffusers/unet2d "
           "--json benchmarks/results/autotune-compiled-models-2026-11-28.jsonl",
           machine=EPYC),
-    Cited("census-2026-11-26-population.jsonl", "The census: every model type, bitwise checks", "15ba55e",
-          "Every architecture transformers builds from a tiny config, 35 timm and 8 diffusers models, random "
-          "weights, one process per model; each check bitwise against eager autocast (outputs, dtypes, "
-          "gradients, other batch sizes, the torch.compile backend with `inner=\"eager\"` called outside autocast). "
-          "Rows merged from re-runs of the models a fix concerned (`census.py --merge`).",
-          "scripts/census --out benchmarks/results/census-2026-11-26-population.jsonl --jobs 2 --timeout 900"),
+    Cited("census-937c3ec-population.jsonl", "The census: every model type, bitwise checks", "937c3ec",
+          "One graphamp commit, one machine: the population is every architecture transformers 5.24.0 builds "
+          "from a tiny config (666), 35 timm and 8 diffusers models, 709 in all, random weights, one process "
+          "per model. Each check is bitwise against eager autocast: `convert` in bf16 and fp16 (values and "
+          "dtypes), train-mode gradients, batch 1 and 3, other inputs after conversion (other values, a padded "
+          "mask, a longer sequence), dropout in training, `graphamp.export`, and the backend with "
+          "`inner=\"eager\"` outside and inside `torch.autocast`. The table counts the models this file holds; "
+          "a model of the population not in it has not run at this commit.",
+          "scripts/census-continue benchmarks/results/census-937c3ec-population.jsonl --jobs 2 --timeout 900"),
 )
 
 # README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
@@ -168,8 +171,16 @@ def anchor(title: str) -> str:
 
 
 def date_of(file: str) -> str:
+    """The date in the file's name, else the one its JSON-lines header records (a census file)."""
     m = re.search(r"\d{4}-\d{2}-\d{2}", file)
-    return m.group(0) if m else "unknown"
+    if m:
+        return m.group(0)
+    if file.endswith(".jsonl"):
+        with open(RESULTS / file) as f:
+            head = json.loads(f.readline() or "{}")
+        if head.get("header") and head.get("date"):
+            return str(head["date"]).split()[0]
+    return "unknown"
 
 
 # ---------------------------------------------------------------- bench-*.json (graphamp bench --json)
@@ -301,7 +312,9 @@ def census(path: Path) -> tuple[str, str]:
     fam: dict[str, int] = {}
     for r in records.values():
         fam[r.get("family")] = fam.get(r.get("family"), 0) + 1
-    text = (f"{s['models']} models ({', '.join(f'{k} {n}' for k, n in sorted(fam.items()))}); eager autocast runs on "
+    dirty = " with uncommitted edits" if head.get("graphamp_dirty") else ""
+    text = (f"Every row ran at graphamp commit `{head.get('graphamp_commit')}`{dirty}, from {head.get('date')}.\n\n"
+            f"{s['models']} models ({', '.join(f'{k} {n}' for k, n in sorted(fam.items()))}); eager autocast runs on "
             f"{s['eager_runs']} (the others cannot be built or run generically and are counted apart).\n\n"
             + census_tool.markdown_table(s, named_rule=head.get("reported_rule") == census_tool.REPORTED_RULE))
     return machine, text
