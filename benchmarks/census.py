@@ -38,9 +38,11 @@ stay in the record for reading. Anything else is "silent".
 
 Each record keeps its CPU seconds (``cpu_s``: the worker's, and each check's) and its commit. A
 worker past its time limit has its Python stack dumped twice a few seconds apart (faulthandler on
-SIGUSR1) before it is killed: ``"kind": "hang"`` where it used little CPU in between or its stack
-did not change, ``"slow"`` otherwise, with its innermost frames under ``stack``; ``--rerun-slow
-LIMIT`` runs the slow ones again with a longer limit. The limit counts running time only: a run
+SIGUSR1) before it is killed: ``"kind": "hang"`` where it used little CPU in between, ``"busy"``
+where it used the CPU but its stack did not change (one long native call, or a loop over identical
+layers, whose frames read alike: a Python stack cannot tell these from a loop that makes no
+progress), ``"slow"`` otherwise, with its innermost frames under ``stack``; ``--rerun-slow LIMIT``
+runs the slow and busy ones again with a longer limit, which decides. The limit counts running time only: a run
 paused with ``kill -STOP`` (census or worker) makes no time-outs. ``--resume`` refuses a results file written at
 another commit, on another CPU class or with other library versions (one table, one commit, one
 machine) unless ``--allow-mixed``. ``scripts/census-continue FILE`` continues a file in a later
@@ -905,7 +907,7 @@ def _worker_command(name: str, checks: tuple[str, ...], result: Path, threads: i
 # SIGUSR1's default action would kill it).
 STACK_READY = "census: stack dumps on SIGUSR1"
 # Seconds between the two stacks of a timed-out worker, and the share of one core it must have
-# used meanwhile to count as working ("slow") rather than stuck ("hang").
+# used meanwhile to count as working ("slow" or "busy") rather than stuck ("hang").
 SAMPLE_SECONDS = 4.0
 BUSY_SHARE = 0.1
 STACK_LINES = 40
@@ -975,8 +977,10 @@ def _stack_key(dump: str) -> list[str]:
 
 def diagnose_timeout(pid: int, stack_file: Path | None, sample: float = SAMPLE_SECONDS) -> dict[str, Any]:
     """Why a worker past its time limit is still running: two stack dumps ``sample`` seconds apart
-    and its CPU time in between. "hang" when it used little CPU meanwhile or its stack did not
-    change; "slow" otherwise (it is working, and a longer limit may let it finish)."""
+    and its CPU time in between. "hang" when it used little CPU meanwhile; "busy" when it used the
+    CPU but its stack did not change (a long native call, or a loop over identical layers: the
+    frames name no layer, so a longer limit decides); "slow" otherwise (it is working, and a longer
+    limit may let it finish)."""
     ready = stack_file is not None and stack_file.exists() and STACK_READY in stack_file.read_text(errors="replace")[:200]
     cpu0, t0 = proc_cpu_seconds(pid), time.monotonic()
     first = _dump_stack(pid, stack_file) if ready else ""
@@ -989,7 +993,7 @@ def diagnose_timeout(pid: int, stack_file: Path | None, sample: float = SAMPLE_S
         pass
     busy = (cpu1 - cpu0) / (t1 - t0) if cpu0 is not None and cpu1 is not None else None
     same = bool(first) and _stack_key(first) == _stack_key(second)
-    kind = "hang" if (busy is not None and busy < BUSY_SHARE) or same else "slow"
+    kind = timeout_kind(None if busy is None else round(busy, 2), None if not first else not same)
     lines = second.strip().splitlines() or first.strip().splitlines()
     return {
         "kind": kind,
@@ -1151,9 +1155,23 @@ def _run_models(plan: dict[str, tuple[str, ...]], timeout: float, jobs: int, thr
             print(f"[{i}/{len(names)}] {data['model']}: {_one_line(data)}", flush=True)
 
 
+def timeout_kind(cpu_share: float | None, stack_changed: bool | None, recorded: str | None = None) -> str:
+    """A time-out's kind from what was measured (a record written by an older rule is read by this one):
+    "hang" with little CPU, "busy" with the CPU used and the stack unchanged, "slow" otherwise."""
+    if cpu_share is None and stack_changed is None:
+        return recorded or "unexplained"
+    if cpu_share is not None and cpu_share < BUSY_SHARE:
+        return "hang"
+    return "busy" if stack_changed is False else "slow"
+
+
+def _kind(record: dict[str, Any]) -> str:
+    return timeout_kind(record.get("cpu_share"), record.get("stack_changed"), record.get("kind"))
+
+
 def slow_timeouts(records: dict[str, dict[str, Any]], limit: float) -> list[str]:
-    """The models whose last record timed out while working ("slow"), under a limit below ``limit``."""
-    return [n for n, r in records.items() if r.get("status") == "timeout" and r.get("kind") == "slow" and (r.get("seconds") or 0) < limit]
+    """The models whose last record timed out while using the CPU ("slow" or "busy"), under a limit below ``limit``."""
+    return [n for n, r in records.items() if r.get("status") == "timeout" and _kind(r) in ("slow", "busy") and (r.get("seconds") or 0) < limit]
 
 
 def run_census(args: argparse.Namespace) -> None:
@@ -1251,7 +1269,7 @@ def summarize(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
         table[check] = counts
     silent = {n for n, r in runs.items() if any(kind(res).endswith("-silent") for res in r.get("checks", {}).values())}
     reported = {n for n, r in runs.items() if any(kind(res).endswith("-reported") for res in r.get("checks", {}).values())}
-    timeouts = Counter(r.get("kind") or "unexplained" for r in records.values() if r.get("status") == "timeout")
+    timeouts = Counter(_kind(r) for r in records.values() if r.get("status") == "timeout")
     return {"models": len(records), "eager_runs": len(runs), "eager_cannot": len(cannot), "table": table, "causes": causes,
             "cannot": Counter(normalize(r.get("eager", {}).get("message") or r.get("status", "?"))[:90] for r in cannot.values()),
             "silent_models": sorted(silent), "reported_models": sorted(reported), "timeouts": timeouts}
@@ -1288,7 +1306,7 @@ def print_summary(path: Path, *, markdown: bool = False, file: Any = None) -> No
               f"{len(s['reported_models'])} (reported: a typed graphamp error, or a graphamp warning naming what differs)", file=file)
     if s["timeouts"] and not markdown:
         print("time-outs: " + ", ".join(f"{k} {v}" for k, v in sorted(s["timeouts"].items())) +
-              " (hang: little CPU or the same stack twice; slow: working, --rerun-slow LIMIT runs them again)", file=file)
+              " (hang: little CPU; busy: working, the same stack twice; slow: working; --rerun-slow LIMIT runs slow and busy ones again)", file=file)
     print("\nfailures by cause (check: models):", file=file)
     for c, per_check in sorted(s["causes"].items(), key=lambda kv: -sum(len(v) for v in kv[1].values())):
         if c.startswith("skipped"):
@@ -1324,7 +1342,8 @@ def markdown_table(s: dict[str, Any], *, named_rule: bool = True) -> str:
     lines.append(f"Silent (differ or error graphamp did not report): {len(s['silent_models'])} models; reported ({rule}): "
                  f"{len(s['reported_models'])} models.")
     if s["timeouts"]:
-        lines.append("Time-outs: " + ", ".join(f"{k} {v}" for k, v in sorted(s["timeouts"].items())) + ".")
+        lines.append("Time-outs: " + ", ".join(f"{k} {v}" for k, v in sorted(s["timeouts"].items())) +
+                     " (hang: little CPU at the limit; busy: working, the same Python stack twice; slow: working).")
     return "\n".join(lines)
 
 
@@ -1353,7 +1372,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--stack-file", help=argparse.SUPPRESS)
-    p.add_argument("--rerun-slow", type=float, metavar="LIMIT", help="then run again, with this time limit (s), the models that timed out while working (kind slow)")
+    p.add_argument("--rerun-slow", type=float, metavar="LIMIT", help="then run again, with this time limit (s), the models that timed out while working (kinds slow and busy)")
     p.add_argument("--allow-mixed", action="store_true", help="with --resume, append to a results file written at another graphamp commit")
     args = p.parse_args(argv)
     bad = set(args.checks.split(",")) - set(CHECKS)

@@ -148,13 +148,18 @@ def spin(depth):  # busy, one frame deeper every 0.1 s: two stacks apart differ
     while time.time() - t < 0.1:
         pass
     spin(depth + 1)
+def loop():  # busy in one frame
+    while True:
+        pass
 if sys.argv[3] == "spin":
     spin(0)
+if sys.argv[3] == "loop":
+    loop()
 time.sleep(60)
 """
 
 
-def test_a_timed_out_worker_is_a_hang_when_it_sleeps_and_slow_when_it_works(tmp_path: Path) -> None:
+def test_a_timed_out_worker_is_a_hang_when_it_sleeps_busy_in_one_frame_and_slow_when_it_works(tmp_path: Path) -> None:
     found = {}
     for how in ("sleep", "spin"):
         stacks = tmp_path / f"{how}.stacks"
@@ -166,6 +171,11 @@ def test_a_timed_out_worker_is_a_hang_when_it_sleeps_and_slow_when_it_works(tmp_
     assert spin["code"] is None and spin["kind"] == "slow", spin
     assert spin["stack_changed"] is True and spin["cpu_share"] >= census.BUSY_SHARE and spin["cpu_s"] > 0.5, spin
     assert any("in spin" in line for line in spin["stack"]) and len(spin["stack"]) <= census.STACK_LINES
+    # Working in one frame throughout (a long call; a loop that makes no progress reads the same): busy.
+    stacks = tmp_path / "loop.stacks"
+    loop = census.run_limited([sys.executable, "-c", _WORKER, str(stacks), census.STACK_READY, "loop"], 1.0, tmp_path / "loop.log", stacks, sample=1.5)
+    assert loop["code"] is None and loop["kind"] == "busy" and loop["stack_changed"] is False, loop
+    assert loop["cpu_share"] >= census.BUSY_SHARE and any("in loop" in line for line in loop["stack"]), loop
     # A worker that finishes in time: its exit code and CPU time, no diagnosis.
     done = census.run_limited([sys.executable, "-c", "pass"], 30, tmp_path / "done.log")
     assert done["code"] == 0 and "kind" not in done
@@ -215,16 +225,21 @@ def test_time_the_census_spends_stopped_is_not_counted_against_its_limit(tmp_pat
     assert slept and ran["code"] == 0 and "kind" not in ran, ran
 
 
-def test_slow_time_outs_are_picked_for_a_rerun() -> None:
+def test_slow_and_busy_time_outs_are_picked_for_a_rerun() -> None:
     records = {
         "hf/a": {"status": "timeout", "kind": "slow", "seconds": 120},
         "hf/b": {"status": "timeout", "kind": "hang", "seconds": 120},
         "hf/c": {"status": "timeout", "kind": "slow", "seconds": 600},
         "hf/d": {"status": "done"},
+        # Written by the older rule ("hang" for the same stack twice), read by the measured fields:
+        # full CPU, unchanged stack (hf/align: one emulated-fp16 convolution after another) is busy.
+        "hf/e": {"status": "timeout", "kind": "hang", "cpu_share": 0.99, "stack_changed": False, "seconds": 900},
+        "hf/f": {"status": "timeout", "kind": "hang", "cpu_share": 0.02, "stack_changed": False, "seconds": 900},
     }
     assert census.slow_timeouts(records, 600) == ["hf/a"]
+    assert census.slow_timeouts(records, 2700) == ["hf/a", "hf/c", "hf/e"]
     s = census.summarize({n: {**r, "eager": {"status": "ok"}} for n, r in records.items()})
-    assert s["timeouts"] == {"slow": 2, "hang": 1}
+    assert s["timeouts"] == {"slow": 2, "hang": 2, "busy": 1}
 
 
 def test_resume_refuses_a_results_file_of_another_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
