@@ -6,8 +6,8 @@ over repeated runs of the same task and dtype.
 Each cell of a table is the median ms (ratio to eager autocast). The last two columns:
 
 - "fastest graphamp / fastest alternative": the issue's target ratio. The fastest of every graphamp
-  variant run over the fastest of fp32, eager autocast and torch.compile + autocast (with and without
-  freezing). Several graphamp variants often run the same program (``graphamp_compiled`` and
+  variant run over the fastest alternative that ran (``graphamp.bench.ALTERNATIVES``: fp32, eager
+  autocast, and torch.compile in fp32 or with autocast, each with and without freezing). Several graphamp variants often run the same program (``graphamp_compiled`` and
   ``graphamp_autotune_compiled`` when autotune raises nothing), so a minimum over more noisy
   measurements favours graphamp's side a little; hence the next column.
 - "like for like": graphamp's compiled default against the matching torch.compile + autocast

@@ -200,12 +200,12 @@ def bench_command(doc: dict, file: str) -> str:
 def bench_section(doc: dict) -> str:
     import bench_tables
 
-    best = {r["model"]: r["best"] for r in doc["rows"] if r.get("best")}
     failed = [f"{r['model']} {r['variant']}: {r['status']}" for r in doc["rows"] if r.get("status", "ok") != "ok"]
     out = [
         "Each cell: median ms per call over the interleaved rounds (ratio to eager autocast). "
         "*fastest graphamp / fastest alternative*: graphamp's fastest variant over the fastest of "
-        "fp32, eager autocast and torch.compile (+ autocast, with and without freezing) that ran. "
+        "the alternatives without graphamp that ran: fp32, eager autocast, and torch.compile in fp32 or "
+        "with autocast, each with and without freezing. "
         "*like for like*: graphamp's compiled default over the matching torch.compile + autocast.",
         "",
         bench_tables.table(doc),
