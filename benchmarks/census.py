@@ -1240,7 +1240,7 @@ def normalize(message: str) -> str:
 
 def cause(check: str, result: dict[str, Any] | None, data: dict[str, Any]) -> str:
     if result is None:
-        how = f" ({data['kind']})" if data.get("status") == "timeout" and data.get("kind") else ""
+        how = f" ({_kind(data)})" if data.get("status") == "timeout" else ""
         return f"{data.get('status', 'unfinished')}{how} in {data.get('timeout_in') or data.get('crash_in') or '?'}"
     if result["status"] == "error":
         return f"{result['type']}: {normalize(result['message'])}"
