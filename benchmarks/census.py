@@ -711,6 +711,7 @@ def build_subject(name: str, record: Record) -> Subject | None:
     import torch
 
     failures = []
+    record.data["builder"] = census_models.builder_id()
     for attempt in range(census_models.attempts(name)):
         try:
             with warnings.catch_warnings():
@@ -819,6 +820,8 @@ def header() -> dict[str, Any]:
         "graphamp_commit": _git_commit(),
         # Files under graphamp/ with uncommitted edits when the run started (a shared checkout).
         "graphamp_dirty": _git_dirty(),
+        # The census builder (census_models.builder_id) when the run started; each row records its own.
+        "builder": census_models.builder_id(),
         "versions": {p: _version(p) for p in ("torch", "transformers", "timm", "diffusers", "torchvision")},
         "python": platform.python_version(),
         **machine(),
@@ -862,31 +865,42 @@ def read_results(path: Path) -> tuple[dict[str, Any] | None, dict[str, dict[str,
     return head, records
 
 
+# What a record says about why it did not finish (run_one, diagnose_timeout).
+_UNFINISHED = ("timeout_in", "crash_in", "kind", "cpu_share", "stack_changed", "stack", "stacks")
+
+
 def merge_results(out: Path, newer: Path) -> int:
     """Update ``out`` with a re-run's rows (``newer``): each check the re-run made replaces that check
-    of the model's row, which records the re-run (date, commit, checks) under ``rerun``. Returns how
-    many rows changed. Rows of models the re-run could not build or run stay as they were."""
+    of the model's row, which records the re-run (date, commit, checks) under ``rerun``; a re-run
+    that timed out brings the checks it finished and its own time-out. A model eager could not run
+    before takes the re-run's whole row. Returns how many rows changed. Rows of models the re-run
+    could not build or run stay as they were."""
     head, records = read_results(out)
     new_head, new_records = read_results(newer)
     stamp = {"date": (new_head or {}).get("date"), "commit": (new_head or {}).get("graphamp_commit")}
     changed = 0
     for model, row in new_records.items():
         old = records.get(model)
-        if row.get("eager", {}).get("status") != "ok" or row.get("status") != "done":
+        if row.get("eager", {}).get("status") != "ok" or not row.get("checks"):
             continue
-        if old is None:
-            records[model] = row
+        if old is None or (old.get("eager", {}).get("status") != "ok" and row.get("status") == "done"):
+            records[model] = {**row, "rerun": [*(old or {}).get("rerun", []), {**stamp, "checks": sorted(row.get("checks", {}))}]} if old else row
             changed += 1
             continue
         merged = dict(old)
         # The re-run's build (a changed shrink builds another size) is the one its checks ran on.
-        merged.update({k: row[k] for k in ("class", "note", "params") if k in row})
+        # A re-run of a model eager could not run before (another builder) brings its eager status.
+        merged.update({k: row[k] for k in ("class", "note", "params", "eager", "builder") if k in row})
         merged["checks"] = {**old.get("checks", {}), **row.get("checks", {})}
         merged["requested"] = sorted(set(old.get("requested", CHECKS)) | set(row.get("requested", [])), key=CHECKS.index)
         if set(merged["requested"]) <= set(merged["checks"]):  # every check has a result now
             merged["status"] = "done"
-            merged.pop("timeout_in", None)
-            merged.pop("crash_in", None)
+            for k in _UNFINISHED:
+                merged.pop(k, None)
+        elif row.get("status") in ("timeout", "crash"):  # the re-run's own time-out explains what is still missing
+            for k in _UNFINISHED:
+                merged.pop(k, None)
+            merged.update({k: row[k] for k in ("status", *_UNFINISHED) if k in row})
         merged["rerun"] = [*old.get("rerun", []), {**stamp, "checks": sorted(row.get("checks", {}))}]
         records[model] = merged
         changed += 1
@@ -1169,6 +1183,12 @@ def _kind(record: dict[str, Any]) -> str:
     return timeout_kind(record.get("cpu_share"), record.get("stack_changed"), record.get("kind"))
 
 
+def cannot_run_elsewhere(records: dict[str, dict[str, Any]], builder: str) -> list[str]:
+    """The models eager could not run on any build of another builder than ``builder`` (a row
+    without one predates the field): a later builder may build them."""
+    return [n for n, r in records.items() if r.get("eager", {}).get("status") == "error" and r.get("builder") != builder]
+
+
 def slow_timeouts(records: dict[str, dict[str, Any]], limit: float) -> list[str]:
     """The models whose last record timed out while using the CPU ("slow" or "busy"), under a limit below ``limit``."""
     return [n for n, r in records.items() if r.get("status") == "timeout" and _kind(r) in ("slow", "busy") and (r.get("seconds") or 0) < limit]
@@ -1184,6 +1204,9 @@ def run_census(args: argparse.Namespace) -> None:
         check_resumable(head, out, args.allow_mixed)
     if args.retry_unfinished:
         done = {n: r for n, r in done.items() if r.get("status") == "done"}
+    if args.retry_cannot_run:
+        retry = set(cannot_run_elsewhere(done, census_models.builder_id()))
+        done = {n: r for n, r in done.items() if n not in retry}
     selected = select(census_models.population(), args.only, args.shard, args.sample, args.seed)
     names = [n for n in selected if n not in done]
     checks = tuple(args.checks.split(","))
@@ -1355,6 +1378,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON-lines results file (default %(default)s)")
     p.add_argument("--resume", action="store_true", help="skip models already in --out and append")
     p.add_argument("--retry-unfinished", action="store_true", help="with --resume, run again the models that timed out or crashed")
+    p.add_argument("--retry-cannot-run", action="store_true", help="with --resume, run again the models eager could not run with another census builder")
     p.add_argument("--only", help="regex over model names (hf/bert, timm/resnet18, diffusers/dit)")
     p.add_argument("--shard", help="i/n: every n-th model from the i-th")
     p.add_argument("--sample", type=float, help="keep this fraction of the transformers models (seeded), all timm/diffusers")

@@ -12,7 +12,9 @@ process. :func:`enable_census_site` puts that directory on ``sys.path`` for the 
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import os
 import re
 import sys
@@ -25,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DIFFUSERS_MODELS", "TIMM_MODELS", "BuildError", "Built", "NotApplicable", "build", "census_site", "enable_census_site", "population"]
+import census_inputs
+
+__all__ = ["DIFFUSERS_MODELS", "TIMM_MODELS", "BuildError", "Built", "NotApplicable", "build", "builder_id", "census_site", "enable_census_site", "population"]
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 2
@@ -38,6 +42,15 @@ DECODER_SEQ = 5
 MakeInputs = Callable[..., tuple[tuple, dict[str, Any]]]
 # A seed's offset in the generators' seeds: seed 0 keeps every example as it was.
 SEED_STRIDE = 7919
+
+
+def builder_id() -> str:
+    """Which builder made a census row's model: a hash of this module and census_inputs, the code
+    that turns a name into a model and its inputs (a change to either may build a model otherwise)."""
+    h = hashlib.sha256()
+    for f in (Path(__file__), Path(census_inputs.__file__)):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:10]
 
 
 class BuildError(Exception):
@@ -128,13 +141,17 @@ _HIDDEN = re.compile(r"^(hidden_size|d_model|n_embd|n_embed|embed_dim|hidden_dim
 _HEAD_DIM = re.compile(r"^(head_dim|attention_head_dim|kv_channels|qk_rope_head_dim|qk_nope_head_dim|v_head_dim|d_kv|d_head)$")
 _FFN = re.compile(r"(intermediate_size|ffn_dim|^d_ff$|^n_inner$|^mlp_dim$|ffn_hidden_size|^d_inner$|^decoder_ffn_dim$)")
 _EXPERTS = re.compile(r"^(num_experts|n_routed_experts|num_local_experts|moe_num_experts)$")
-_TOPK = re.compile(r"^(num_experts_per_tok|moe_topk|top_k|num_experts_per_token)$")
+_TOPK = re.compile(r"^(num_experts_per_tok|moe_topk|top_k|num_experts_per_token|moe_k)$")
 # Train-mode randomness off: dropout, stochastic depth, and SpecAugment's masking (wav2vec2 family).
 _DROPOUT = re.compile(r"(dropout|drop_prob|_pdrop$|^pdrop|drop_path|layerdrop|drop_rate|attention_probs_dropout|^mask_time_prob$|^mask_feature_prob$)")
 # SpecAugment draws its masks with numpy, which no torch seed reaches: zeroed even where the dropout
 # check keeps the config's dropout.
 _SPEC_AUGMENT = re.compile(r"^mask_(time|feature)_prob$")
 _TOKEN_ID = re.compile(r"(_token_id|_token_index|_id)$")
+
+
+# Per-stage widths, scaled down with images (the first to 16).
+_STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "dims", "conv_dim", "neck_hidden_sizes", "widths", "channels")
 
 
 @dataclass(frozen=True)
@@ -148,6 +165,9 @@ class Shrink:
     # Also the sizes the patterns above miss (prefixed names, sizes one sub-config takes from a
     # sibling, Mamba-2 head geometry): see _tie. Only for models still big after the other shrinks.
     tied: bool = False
+    # Also every width that was one of the shrunk hidden sizes before the shrink: see _fit. Last,
+    # for models no other shrink builds.
+    fitted: bool = False
 
 
 # The "tiny, tied" shrink is tried only when the "layers only" build would have more parameters
@@ -162,11 +182,14 @@ SHRINKS = (
     Shrink("head-dim kept", None, 2, False),
     Shrink("tiny, tied", 32, 2, True, tied=True),
     Shrink("layers only", None, None, False),
+    Shrink("tiny, fitted", 32, 2, True, tied=True, fitted=True),
 )
 # Each shrink first with the main input alone, then with pixel_values too (BridgeTower needs both);
-# each of those with input_features as (batch, bins, frames) (Whisper, ...), then as (batch, frames,
-# bins) (UnivNet, ...): the second applies only to models that take input_features.
-HF_ATTEMPTS = tuple((s, pixels, frames_first) for s in SHRINKS for pixels in (False, True) for frames_first in (False, True))
+# each of those with the audio input in its first layout, then in its second (alt): input_features
+# as (batch, bins, frames) (Whisper, ...), then as (batch, frames, bins) (UnivNet, ...); input_values
+# as (batch, samples) (wav2vec2, ...), then as (batch, channels, samples) (EnCodec, DAC, ...). The
+# second applies only to models that take input_features or input_values.
+HF_ATTEMPTS = tuple((s, pixels, alt) for s in SHRINKS for pixels in (False, True) for alt in (False, True))
 
 
 def _special_token_ids(d: dict[str, Any]) -> set[int]:
@@ -237,9 +260,125 @@ def _tie(out: dict[str, Any]) -> None:
                 out[g] = 1
 
 
+# 0-based lists of layer numbers in a backbone config (ViTDet's window_block_indices, RF-DETR's
+# window_block_indexes): they follow the layers _restage keeps.
+_LAYER_NUMBERS = re.compile(r"^(window_block_index(es)?|window_block_indices|residual_block_indices|global_attn_indexes)$")
+
+
+def _restage(out: dict[str, Any], d: dict[str, Any], old_layers: int) -> None:
+    """A backbone config (``stage_names``, ``out_indices``) whose output stages the layer shrink
+    removed (``out_features=['stage12']`` of 2 layers fails validation) keeps the layers it outputs:
+    as many layers as output stages (at least the shrink's), the old layers just before each
+    output, and every per-layer value follows them. Configs whose outputs fit are left alone."""
+    idx = d.get("out_indices")
+    if not isinstance(d.get("stage_names"), list) or not isinstance(idx, list) or not all(isinstance(i, int) for i in idx):
+        return
+    # Stages that are layers (ViT backbones); Swin's stages are its depths, its num_layers no layer count.
+    if d.get("num_hidden_layers") != old_layers or out["num_hidden_layers"] == old_layers or not idx or max(idx) <= out["num_hidden_layers"]:
+        return
+    new = out["num_hidden_layers"]
+    kept = sorted({i - 1 for i in idx if i > 0})
+    while len(kept) < new:
+        kept.insert(0, next(j for j in range(old_layers) if j not in kept) if kept[0] == 0 else kept[0] - 1)
+        kept.sort()
+    n = len(kept)
+    out["num_hidden_layers"] = n
+    for k, v in d.items():
+        if isinstance(v, list) and len(v) == old_layers and old_layers > 4:
+            out[k] = [v[i] for i in kept]
+        elif _LAYER_NUMBERS.match(k) and isinstance(v, list):
+            out[k] = [kept.index(i) for i in v if i in kept]
+    out["out_indices"] = [kept.index(i - 1) + 1 if i > 0 else 0 for i in idx]
+    out["stage_names"] = ["stem", *(f"stage{j}" for j in range(1, n + 1))]
+    if isinstance(d.get("out_features"), list):
+        out["out_features"] = [out["stage_names"][j] for j in out["out_indices"]]
+
+
+def _head_dim(d: dict[str, Any]) -> int | None:
+    heads, hidden = d.get("num_attention_heads"), d.get("hidden_size")
+    if isinstance(d.get("head_dim"), int):
+        return d["head_dim"]
+    return hidden // heads if isinstance(heads, int) and isinstance(hidden, int) and heads > 0 else None
+
+
+def _scale_mrope(out: dict[str, Any], d: dict[str, Any]) -> None:
+    """M-RoPE's ``mrope_section`` (Qwen2-VL, GLM-4V) splits half the rotary dimension among the
+    temporal, height and width positions: it sums to that half, so it shrinks with the head."""
+    rope = out.get("rope_parameters")
+    sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+    old, new = _head_dim(d), _head_dim(out)
+    if not isinstance(sections, list) or not old or not new or old == new or not all(isinstance(x, int) for x in sections):
+        return
+    total = sum(sections) * new // old
+    scaled = [max(1, x * new // old) for x in sections]
+    scaled[0] += total - sum(scaled)
+    out["rope_parameters"] = {**rope, "mrope_section": scaled}
+
+
+def _layer_index(key: Any) -> int | None:
+    return int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else None
+
+
+def _kept_layers(d: dict[str, Any], old_layers: int, n: int) -> list[int]:
+    """The ``n`` layers a config with per-layer overrides (``per_layer_config``: Gemma 4's full
+    attention layers, dots3's sparse ones, NeoMME's windows) keeps: greedily the layer showing the
+    most values not yet kept of its per-layer lists and overrides, so a full-attention layer and its
+    overrides survive the shrink (layer_types[:2] would keep two sliding layers and no override)."""
+    overrides = {_layer_index(k): json.dumps(v, sort_keys=True) for k, v in d["per_layer_config"].items()}
+    lists = [v for v in d.values() if isinstance(v, list) and len(v) == old_layers]
+    kinds = [{(j, json.dumps(v[i], default=str)) for j, v in enumerate(lists)} | {("override", overrides.get(i))} for i in range(old_layers)]
+    kept: list[int] = []
+    seen: set = set()
+    while len(kept) < min(n, old_layers):
+        best = max((i for i in range(old_layers) if i not in kept), key=lambda i: (len(kinds[i] - seen), -i))
+        kept.append(best)
+        seen |= kinds[best]
+    return sorted(kept)
+
+
+def _kept_overrides(per_layer: dict[Any, Any], kept: list[int], how: Shrink, keep_dropout: bool) -> dict[Any, Any]:
+    """``per_layer_config`` of the kept layers, renumbered, each override shrunk like a config."""
+    out = {}
+    for key, override in per_layer.items():
+        i = _layer_index(key)
+        if i in kept:
+            new = kept.index(i)
+            out[f"{new:0{len(key)}d}" if isinstance(key, str) else new] = shrink_config_dict(override, how, keep_dropout=keep_dropout) if isinstance(override, dict) else override
+    return out
+
+
+def _filled(d: dict[str, Any]) -> dict[str, Any]:
+    """Sizes a default config leaves None that its model reads (Nemotron's num_key_value_heads,
+    Ministral's head_dim, ESM's vocab_size, DeepSeek-V2's experts per token), given the value the
+    config's documentation names for None, or a small one: a copy, unchanged where none is None."""
+    none = {k for k, v in d.items() if v is None}
+    if not none:
+        return d
+    out = dict(d)
+    heads = d.get("num_attention_heads")
+    hidden = next((d[k] for k in ("hidden_size", "d_model") if isinstance(d.get(k), int)), None)
+    experts = next((k for k in d if _EXPERTS.match(k)), None)
+    if "num_key_value_heads" in none and isinstance(heads, int):
+        out["num_key_value_heads"] = heads  # None means multi-head attention
+    if "head_dim" in none and isinstance(heads, int) and hidden:
+        out["head_dim"] = hidden // heads
+    if "vocab_size" in none:
+        out["vocab_size"] = 256
+    if "prediction_length" in none:
+        out["prediction_length"] = 8  # a forecast of 8 steps (Informer's default names none)
+    if "context_length" in none and "prediction_length" in d:
+        out["context_length"] = 16  # None is the forecast's 8; Autoformer's label_length (10) must fit in it
+    if experts in none and "num_experts_per_tok" in d:
+        out[experts] = 4
+    if "num_experts_per_tok" in none and experts and out[experts]:
+        out["num_experts_per_tok"] = 2
+    return out
+
+
 def shrink_config_dict(d: dict[str, Any], how: Shrink, *, keep_dropout: bool = False) -> dict[str, Any]:
     """A copy of a config's to_dict() with sizes made small, recursing into sub-configs; dropout
     zeroed unless ``keep_dropout`` (SpecAugment's masking is zeroed always)."""
+    d = _filled(d)
     out = dict(d)
     old_heads = next((v for k, v in d.items() if _HEADS.match(k) and isinstance(v, int)), None)
     head_dim = d.get("head_dim") if isinstance(d.get("head_dim"), int) else None
@@ -265,7 +404,7 @@ def shrink_config_dict(d: dict[str, Any], how: Shrink, *, keep_dropout: bool = F
             if how.images and isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
                 if k in ("depths", "num_layers_per_stage", "stage_depths", "layer_depths", "depth"):
                     out[k] = [1] * len(v)
-                elif k in ("hidden_sizes", "embed_dims", "dims", "conv_dim", "neck_hidden_sizes", "widths", "channels"):
+                elif k in _STAGE_WIDTHS:
                     out[k] = _scaled_list(v, 16)
                 elif k in ("num_heads", "num_attention_heads", "heads"):
                     out[k] = [1] * len(v)
@@ -295,19 +434,26 @@ def shrink_config_dict(d: dict[str, Any], how: Shrink, *, keep_dropout: bool = F
             out[k] = 128
         elif how.images and k in ("image_size", "img_size", "input_size") and v > 64:
             out[k] = 64
-        elif how.images and k == "window_size" and v > 2:
-            # Swin-style windows must divide every stage's grid of a 64-pixel image.
+        elif how.images and k == "window_size" and v > 2 and "spatial_merge_size" not in d:
+            # Swin-style windows must divide every stage's grid of a 64-pixel image. (Qwen2.5-VL's
+            # window_size is in pixels, 112: a window of 2 pixels holds no patch of its packed image.)
             out[k] = 2
     if old_layers:
-        # Per-layer lists (layer_types, attention_window, ...) follow the new layer count.
+        # Per-layer lists (layer_types, attention_window, ...) follow the new layer count: the first
+        # layers, or with per-layer overrides the layers of every kind (see _kept_layers).
+        kept = _kept_layers(d, old_layers, 2) if isinstance(d.get("per_layer_config"), dict) else [0, 1]
         for k, v in out.items():
             if isinstance(v, list) and len(v) == old_layers and old_layers > 4:
-                out[k] = v[:2]
+                out[k] = [v[i] for i in kept]
+        if isinstance(d.get("per_layer_config"), dict):
+            out["per_layer_config"] = _kept_overrides(d["per_layer_config"], kept, how, keep_dropout)
+        _restage(out, d, old_layers)
     if "vocab_size" in d and isinstance(d["vocab_size"], int) and d["vocab_size"] > 256:
         specials = _special_token_ids(d)
         out["vocab_size"] = max([256, *(i + 1 for i in specials if i < 300_000)])
     if how.tied:
         _tie(out)
+    _scale_mrope(out, d)
     if "use_cache" in d:
         out["use_cache"] = False
     if d.get("pad_token_id", 0) is None and "pad_token_id" in d:
@@ -315,16 +461,82 @@ def shrink_config_dict(d: dict[str, Any], how: Shrink, *, keep_dropout: bool = F
     return out
 
 
+# A width by its name: a size in features or channels (not a count of layers, heads or positions).
+_WIDTH = re.compile(r"(size|dim|channels|hidden|features|width|d_model)s?(_|$)")
+_NOT_WIDTH = re.compile(r"(layers|heads|position|vocab|patch|kernel|stride|image|window|groups|max_|num_(?!channels))")
+
+
+def _widths(old: dict[str, Any], new: dict[str, Any], found: dict[str, dict[int, set[int]]]) -> None:
+    """Old width -> new ones, over the whole config tree: of the widths the shrink changed
+    (``found["size"]``), and of per-stage widths (a ResNet backbone's hidden_sizes) stage by stage
+    (``found["stage"]``)."""
+    for k, v in old.items():
+        w = new.get(k)
+        if isinstance(v, dict) and isinstance(w, dict):
+            _widths(v, w, found)
+        elif isinstance(v, int) and not isinstance(v, bool) and isinstance(k, str) and _WIDTH.search(k) and not _NOT_WIDTH.search(k) and w != v:
+            found["size"].setdefault(v, set()).add(w)
+        elif k in _STAGE_WIDTHS and isinstance(v, list) and isinstance(w, list) and len(v) == len(w) and v != w:
+            for a, c in zip(v, w):
+                found["stage"].setdefault(a, set()).add(c)
+
+
+def _fit_widths(old: dict[str, Any], new: dict[str, Any], widths: dict[int, int]) -> None:
+    for k, v in old.items():
+        if isinstance(v, dict) and isinstance(new.get(k), dict):
+            _fit_widths(v, new[k], widths)
+        elif not isinstance(k, str) or not _WIDTH.search(k) or _NOT_WIDTH.search(k) or new.get(k) != v:
+            continue
+        elif isinstance(v, int) and not isinstance(v, bool) and v in widths:
+            new[k] = widths[v]
+        elif isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v) and any(x in widths for x in v):
+            new[k] = [widths.get(x, x) for x in v]
+
+
+# The object queries a DETR-style detector picks (top-k) from its image's tokens: a 64-pixel image
+# has 84 of them at strides 8, 16 and 32.
+FITTED_QUERIES = 16
+
+
+def _fit(old: dict[str, Any], new: dict[str, Any]) -> None:
+    """The "tiny, fitted" repair: a width the shrink left alone that was one of the widths it shrank
+    (Depth Anything's reassemble_hidden_size, X-CLIP's prompt widths, WavTokenizer's codebook_dim, a
+    head's audio_hidden_size, RT-DETR's encoder_in_channels: its backbone's stage widths) is made
+    small with it. Only where the old width maps to one new width (a width the shrink changed wins
+    over a stage's), and widths of 32 and up (not small counts)."""
+    found: dict[str, dict[int, set[int]]] = {"size": {}, "stage": {}}
+    _widths(old, new, found)
+    sizes = {o: min(n) for o, n in found["size"].items() if len(n) == 1 and o >= 32}
+    stages = {o: min(n) for o, n in found["stage"].items() if len(n) == 1 and o >= 32 and o not in found["size"]}
+    _fit_widths(old, new, {**stages, **sizes})
+    if isinstance(new.get("num_queries"), int) and new["num_queries"] > FITTED_QUERIES:
+        new["num_queries"] = FITTED_QUERIES
+
+
 def _hf_config(model_type: str, how: Shrink, *, keep_dropout: bool = False):
     from transformers import AutoConfig
 
     base = AutoConfig.for_model(model_type)
-    d = shrink_config_dict(base.to_dict(), how, keep_dropout=keep_dropout)
+    fixed = census_inputs.fixed_config(model_type, base.to_dict())
+    d = shrink_config_dict(fixed, how, keep_dropout=keep_dropout)
+    if how.fitted:
+        _fit(fixed, d)
     d.pop("transformers_version", None)
     config = type(base).from_dict(d)
     if hasattr(config, "use_cache"):
         config.use_cache = False
     return config
+
+
+def _for_class(config: Any, cls: type) -> Any:
+    """The config ``cls`` is built from: the model type's own, or where ``cls`` takes one of its
+    sub-configs (Qwen3.5's causal LM takes the text config of a vision-language config, MusicGen's
+    its decoder config), that sub-config, as loading the class from such a checkpoint does.
+    (Mllama's causal LM, built from its whole config before, takes its text config itself.)"""
+    want = getattr(cls, "config_class", None)
+    if want is None or isinstance(config, want):
+        return config
+    return next((v for v in vars(config).values() if isinstance(v, want)), config)
 
 
 def _as_int(v: Any, default: int) -> int:
@@ -360,37 +572,57 @@ def _image(config: Any, b: int, seed: int) -> torch.Tensor:
     return torch.randn(b, channels, size, size, generator=_gen(seed))
 
 
-def _hf_input(name: str, config: Any, b: int, seed: int, main: str, seq: int = SEQ, frames_first: bool = False) -> torch.Tensor | None:
+def _video(config: Any, b: int, seed: int) -> torch.Tensor:
+    """(batch, frames, channels, size, size): the video models' (VideoMAE, ViViT, ...) pixel_values."""
+    frames = _as_int(_find(config, "num_frames", "frames_per_clip"), 8)
+    return _image(config, b * frames, seed).unflatten(0, (b, frames))
+
+
+def _hf_input(name: str, config: Any, b: int, seed: int, main: str, seq: int = SEQ, alt: bool = False) -> torch.Tensor | None:
     if name == "input_ids":
         return _token_ids(config, (b, seq), seed)
     if name == "decoder_input_ids":
         return _token_ids(config, (b, DECODER_SEQ), seed + 1)
     if name == "attention_mask":
         return torch.ones(b, seq, dtype=torch.long) if main == "input_ids" else None
+    if name == "pixel_values_videos" or (name == "pixel_values" and _find(config, "num_frames", "frames_per_clip") is not None):
+        return _video(config, b, seed + 2)
     if name == "pixel_values":
         return _image(config, b, seed + 2)
     if name == "input_values":
+        if alt:
+            return torch.randn(b, _as_int(_find(config, "audio_channels"), 1), 3200, generator=_gen(seed + 3))
         return torch.randn(b, 3200, generator=_gen(seed + 3))
     if name == "input_features":
-        bins = _as_int(_find(config, "num_mel_bins", "feature_size", "input_feat_per_channel"), 80)
+        names = ("num_mel_bins", "feature_size", "input_feat_per_channel")
+        # An ASR model's encoder_config (Parakeet, Canary, LASR) names its bins where nothing else does.
+        bins = _as_int(_find(config, *names) or _find(getattr(config, "encoder_config", None) or config, *names), 80)
         frames = 2 * _as_int(_find(config, "max_source_positions"), 32)
         features = torch.randn(b, bins, frames, generator=_gen(seed + 4))
-        return features.transpose(1, 2).contiguous() if frames_first else features
+        return features.transpose(1, 2).contiguous() if alt else features
     if name == "bbox":
         lo = torch.randint(0, 500, (b, seq, 2), generator=_gen(seed + 5))
         return torch.cat([lo, lo + torch.randint(0, 500, (b, seq, 2), generator=_gen(seed + 6))], -1)
     if name == "token_type_ids":
         return None
-    return None
+    if name.endswith("_input_ids"):  # InstructBLIP's qformer_input_ids: ids of the Q-Former's vocabulary
+        return _token_ids(getattr(config, name.removesuffix("_input_ids") + "_config", config), (b, seq), seed + 8)
+    return census_inputs.series_input(name, config, b, seed + 7) if hasattr(config, "context_length") else None
 
 
-def _hf_make_inputs(model: nn.Module, config: Any, *, pixels: bool, frames_first: bool = False) -> MakeInputs:
+def _hf_make_inputs(model: nn.Module, config: Any, *, pixels: bool, alt: bool = False, model_type: str = "") -> tuple[MakeInputs, bool]:
+    """make_inputs for ``model``, and whether it takes seq= (its main input is input_ids)."""
     sig = inspect.signature(model.forward)
     main = getattr(model, "main_input_name", "input_ids")
+    if isinstance(main, (list, tuple)):  # OneFormer's: [pixel_values, task_inputs]
+        main = main[0]
     required = [
         p.name for p in sig.parameters.values()
         if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
     ]
+    packed = census_inputs.packed_arg(required)
+    if packed and main not in sig.parameters:
+        main = packed  # a vision tower whose main_input_name (input_ids) is inherited, not an argument
     wanted = list(dict.fromkeys([main, *required]))
     if "attention_mask" in sig.parameters and main == "input_ids":
         wanted.append("attention_mask")
@@ -398,11 +630,22 @@ def _hf_make_inputs(model: nn.Module, config: Any, *, pixels: bool, frames_first
         wanted.append("decoder_input_ids")
     if pixels:
         wanted.append("pixel_values")
+    wanted += census_inputs.series_targets(sig.parameters)
+    wanted += [a for a in census_inputs.EXTRA_ARGS.get(model_type, ()) if a not in wanted]
+    grid = next((g for g in census_inputs.GRID_ARGS if g in required), None)
+    table = census_inputs.TABLE.get(model_type)
 
     def make(b: int, seed: int = 0, seq: int | None = None) -> tuple[tuple, dict[str, Any]]:
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
+        at = 1000 * b + SEED_STRIDE * seed
+        if packed:
+            kwargs.update(census_inputs.packed_patches(model, config, packed, grid, b, at))
+        if table:
+            kwargs.update(table(model, config, b, at, seq or SEQ))
         for name in wanted:
-            t = _hf_input(name, config, b, seed=1000 * b + SEED_STRIDE * seed, main=main, seq=seq or SEQ, frames_first=frames_first)
+            if name in kwargs:
+                continue
+            t = _hf_input(name, config, b, seed=at, main=main, seq=seq or SEQ, alt=alt)
             if t is None:
                 if name in required:
                     raise BuildError(f"no generic input for the required argument {name!r}")
@@ -410,7 +653,7 @@ def _hf_make_inputs(model: nn.Module, config: Any, *, pixels: bool, frames_first
             kwargs[name] = t
         return (), kwargs
 
-    return make
+    return make, main == "input_ids"
 
 
 def _seeded(fn: Callable[[], nn.Module]) -> nn.Module:
@@ -446,7 +689,7 @@ def _tied_applies(model_type: str, cls: type, how: Shrink) -> None:
     if shrink_config_dict(base, how) == shrink_config_dict(base, tiny):
         raise NotApplicable("the tied shrink is the tiny one")
     try:
-        n = meta_parameters(cls, _hf_config(model_type, SHRINKS[-1]))
+        n = meta_parameters(cls, _for_class(_hf_config(model_type, next(s for s in SHRINKS if s.label == "layers only")), cls))
     except Exception as e:  # no count, no tied shrink: the model builds as it did before it
         raise NotApplicable(f"layers-only build not countable on meta: {type(e).__name__}") from e
     if n <= TIED_ABOVE:
@@ -457,7 +700,7 @@ def build_hf(model_type: str, attempt: int) -> Built:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    how, pixels, frames_first = HF_ATTEMPTS[attempt]
+    how, pixels, alt = HF_ATTEMPTS[attempt]
     cls_name = _hf_class_name(model_type)
     cls = getattr(transformers, cls_name, None)
     if cls is None:
@@ -465,25 +708,27 @@ def build_hf(model_type: str, attempt: int) -> Built:
     params = inspect.signature(cls.forward).parameters
     if pixels and ("pixel_values" not in params or getattr(cls, "main_input_name", "input_ids") == "pixel_values"):
         raise NotApplicable("no optional pixel_values")
-    if frames_first and "input_features" not in params:
-        raise NotApplicable("no input_features")
-    if how.tied:
+    audio = "input_features" if "input_features" in params else "input_values" if "input_values" in params else None
+    if alt and audio is None:
+        raise NotApplicable("no input_features or input_values")
+    if how.tied and not how.fitted:
         _tied_applies(model_type, cls, how)
-    config = _hf_config(model_type, how)
+    config = _for_class(_hf_config(model_type, how), cls)
     # The constructor's own error comes from the meta build, before a real one allocates (the
     # default cohere_compass config cannot build, after 8 GB of embeddings at "layers only").
     n = meta_parameters(cls, config)
     if n > MAX_BUILD_PARAMS:
         raise BuildError(f"{how.label}: {n / 1e9:.1f} B parameters, over the census's {MAX_BUILD_PARAMS / 1e9:.0f} B (this machine's memory)")
     model = _seeded(lambda: cls(config)).eval()
-    note = how.label + (" + pixel_values" if pixels else "") + (", input_features frames first" if frames_first else "")
-    seq_input = getattr(model, "main_input_name", "input_ids") == "input_ids"  # input_ids always made
+    layout = {"input_features": ", input_features frames first", "input_values": ", input_values with a channel axis"}
+    note = how.label + (" + pixel_values" if pixels else "") + (layout[audio] if alt else "")
 
     def dropout_model() -> tuple[nn.Module, dict[str, float]]:
-        kept = _hf_config(model_type, how, keep_dropout=True)
+        kept = _for_class(_hf_config(model_type, how, keep_dropout=True), cls)
         return _seeded(lambda: cls(kept)).eval(), _dropout_values(kept.to_dict())
 
-    return Built(f"hf/{model_type}", model, _hf_make_inputs(model, config, pixels=pixels, frames_first=frames_first), cls_name, note, seq_input=seq_input, dropout_model=dropout_model)
+    make, seq_input = _hf_make_inputs(model, config, pixels=pixels, alt=alt, model_type=model_type)
+    return Built(f"hf/{model_type}", model, make, cls_name, note, seq_input=seq_input, dropout_model=dropout_model)
 
 
 def _dropout_values(d: dict[str, Any], prefix: str = "") -> dict[str, float]:

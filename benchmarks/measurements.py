@@ -313,7 +313,13 @@ def census(path: Path) -> tuple[str, str]:
     for r in records.values():
         fam[r.get("family")] = fam.get(r.get("family"), 0) + 1
     dirty = " with uncommitted edits" if head.get("graphamp_dirty") else ""
-    text = (f"Every row ran at graphamp commit `{head.get('graphamp_commit')}`{dirty}, from {str(head.get('date')).split()[0]} on.\n\n"
+    # Rows without a builder were built by the census builder of the header's commit.
+    first = head.get("builder")
+    later = sum(1 for r in records.values() if r.get("builder", first) != first)
+    builders = (f" {later} models were built by a later version of the census's own model builder "
+                "(`benchmarks/census_models.py`), which builds models the first could not; graphamp is the same commit."
+                if later else "")
+    text = (f"Every row ran at graphamp commit `{head.get('graphamp_commit')}`{dirty}, from {str(head.get('date')).split()[0]} on.{builders}\n\n"
             f"{s['models']} models ({', '.join(f'{k} {n}' for k, n in sorted(fam.items()))}); eager autocast runs on "
             f"{s['eager_runs']} (the others cannot be built or run generically and are counted apart).\n\n"
             + census_tool.markdown_table(s, named_rule=head.get("reported_rule") == census_tool.REPORTED_RULE))

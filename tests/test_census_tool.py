@@ -411,3 +411,39 @@ def test_the_tied_shrink_ties_a_size_named_after_its_sibling_either_way() -> Non
     assert out["encoder_hash_byte_group_vocab"] == 256
     untied = models.shrink_config_dict(d, models.SHRINKS[0])
     assert (untied["encoder_config"]["hidden_size_global"], untied["encoder_hash_byte_group_vocab"]) == (2048, 500002)
+
+
+def test_models_eager_could_not_run_under_another_builder_are_retried_and_merged_whole(tmp_path: Path) -> None:
+    records = {
+        "hf/old": {"status": "done", "eager": {"status": "error", "message": "no generic input"}},  # before the field
+        "hf/other": {"status": "done", "builder": "b1", "eager": {"status": "error", "message": "x"}},
+        "hf/same": {"status": "done", "builder": "b2", "eager": {"status": "error", "message": "x"}},
+        "hf/runs": {"status": "done", "builder": "b1", "eager": {"status": "ok", "attempt": 0}},
+    }
+    assert census.cannot_run_elsewhere(records, "b2") == ["hf/old", "hf/other"]
+    # A second pass merged into the file brings the model's eager status, build and builder.
+    out, rerun = tmp_path / "population.jsonl", tmp_path / "rerun.jsonl"
+    _write(out, {"date": "d0", "graphamp_commit": "aaa", "builder": "b1"}, [{"model": "hf/old", "requested": list(census.CHECKS), **records["hf/old"], "checks": {}}])
+    _write(rerun, {"date": "d1", "graphamp_commit": "aaa", "builder": "b2"}, [
+        {"model": "hf/old", "status": "done", "builder": "b2", "eager": {"status": "ok", "attempt": 3}, "note": "tiny, fitted",
+         "requested": list(census.CHECKS), "checks": {c: {"status": "bitwise"} for c in census.CHECKS}}])
+    assert census.merge_results(out, rerun) == 1
+    row = census.read_results(out)[1]["hf/old"]
+    assert (row["eager"]["status"], row["builder"], row["note"], row["status"]) == ("ok", "b2", "tiny, fitted", "done")
+    assert census.summarize({"hf/old": row})["eager_runs"] == 1
+
+
+def test_a_rerun_that_timed_out_brings_the_checks_it_finished_and_its_own_time_out(tmp_path: Path) -> None:
+    ok = {"status": "ok", "attempt": 0}
+    out, rerun = tmp_path / "population.jsonl", tmp_path / "rerun.jsonl"
+    _write(out, {"date": "d0", "graphamp_commit": "aaa"}, [
+        {"model": "hf/a", "status": "timeout", "timeout_in": "convert_fp16", "kind": "hang", "cpu_share": 0.99, "eager": ok,
+         "requested": list(census.CHECKS), "checks": {"convert_bf16": {"status": "bitwise"}}}])
+    _write(rerun, {"date": "d1", "graphamp_commit": "aaa"}, [
+        {"model": "hf/a", "status": "timeout", "timeout_in": "dropout", "kind": "hang", "cpu_share": 0.52, "stack_changed": False, "eager": ok,
+         "requested": ["inputs", "dropout"], "checks": {"inputs": {"status": "bitwise"}}}])
+    assert census.merge_results(out, rerun) == 1
+    row = census.read_results(out)[1]["hf/a"]
+    assert set(row["checks"]) == {"convert_bf16", "inputs"}
+    assert (row["status"], row["timeout_in"], row["cpu_share"], census._kind(row)) == ("timeout", "dropout", 0.52, "busy")
+    assert row["rerun"] == [{"date": "d1", "commit": "aaa", "checks": ["inputs"]}]
