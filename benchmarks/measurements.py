@@ -316,7 +316,7 @@ def census(path: Path) -> tuple[str, str]:
     # Rows without a builder were built by the census builder of the header's commit.
     first = head.get("builder")
     later = sum(1 for r in records.values() if r.get("builder", first) != first)
-    builders = (f" {later} models were built by a later version of the census's own model builder "
+    builders = (f" {later} rows come from a later version of the census's own model builder "
                 "(`benchmarks/census_models.py`), which builds models the first could not; graphamp is the same commit."
                 if later else "")
     text = (f"Every row ran at graphamp commit `{head.get('graphamp_commit')}`{dirty}, from {str(head.get('date')).split()[0]} on.{builders}\n\n"
