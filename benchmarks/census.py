@@ -883,8 +883,12 @@ def merge_results(out: Path, newer: Path) -> int:
         old = records.get(model)
         if row.get("eager", {}).get("status") != "ok" or not row.get("checks"):
             continue
-        if old is None or (old.get("eager", {}).get("status") != "ok" and row.get("status") == "done"):
-            records[model] = {**row, "rerun": [*(old or {}).get("rerun", []), {**stamp, "checks": sorted(row.get("checks", {}))}]} if old else row
+        if old is None:
+            records[model] = row
+            changed += 1
+            continue
+        if old.get("eager", {}).get("status") != "ok" and row.get("status") == "done":
+            records[model] = {**row, "rerun": [*old.get("rerun", []), {**stamp, "checks": sorted(row.get("checks", {}))}]}
             changed += 1
             continue
         merged = dict(old)
