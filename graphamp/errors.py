@@ -130,6 +130,15 @@ class CompileError(GraphampError, RuntimeError):
     """``compile=True``: inductor (or dynamo) could not compile the converted module."""
 
 
+class GraphBreakError(GraphampError, RuntimeError):
+    """``torch.compile(backend="graphamp")`` called outside ``torch.autocast``: dynamo traces and runs
+    the code after a graph break without autocast, and that code fails on the values graphamp's graph
+    hands over in autocast's dtypes (``scaled_dot_product_attention`` meeting an fp32 query and a
+    bf16 value, which autocast would have cast to one dtype). Raised when the graph before the break
+    compiles, naming the break and the failing call; the way out is to call the compiled model inside
+    ``torch.autocast``."""
+
+
 class CompileFallbackWarning(UserWarning):
     """A compiled module could not compile for some inputs and ran its converted graph uncompiled."""
 

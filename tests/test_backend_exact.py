@@ -8,6 +8,7 @@ Every check compares with eager autocast on the machine the test runs on.
 
 import contextlib
 import re
+import sys
 import warnings
 
 import pytest
@@ -18,8 +19,9 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 import factories
 import graphamp.backend
+import graphamp.backend.handover
 import graphamp.backend.observe as observe
-from graphamp.errors import EagerPathWarning, PolicyDriftError
+from graphamp.errors import EagerPathWarning, GraphBreakError, PolicyDriftError
 from graphamp.backend.observe import frame_arguments
 from graphamp.policy import lstm_uses_onednn
 from helpers import _loss, assert_same_grads, assert_same_outputs, run_eager
@@ -474,4 +476,135 @@ def test_code_between_graphs_outside_autocast_warns():
         warnings.simplefilter("error", EagerPathWarning)
         out = compiled(model, torch.bfloat16)(x)
         ref = model(x)
+    assert torch.equal(out, ref)
+
+
+class RotaryThenBreak(nn.Module):
+    """Query and key through an fp32 rotary-like scale (fp32 under autocast too), value straight
+    from a linear (bf16 under autocast), then a graph break before the attention: eager autocast
+    casts all three to one dtype; dynamo traces the attention after the break without autocast."""
+
+    def __init__(self, rotary: bool = True) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.register_buffer("cos", torch.linspace(0.5, 1.0, 16))
+        self.rotary = rotary
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.rotary:
+            q, k = q * self.cos, k * self.cos
+        torch._dynamo.graph_break()
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_hand_over_the_code_after_a_break_cannot_take_raises_typed(dtype):
+    model, x = RotaryThenBreak(), torch.randn(2, 4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerPathWarning)
+        with pytest.raises(BackendCompilerFailed) as raised:
+            compiled(model, dtype)(x)
+    error = raised.value.inner_exception
+    assert isinstance(error, GraphBreakError), repr(error)
+    line = RotaryThenBreak.forward.__code__.co_firstlineno + 4
+    message = str(error)
+    assert f"RotaryThenBreak.forward into several graphs at {__file__}:{line} in forward" in message, message
+    assert "Expected query, key, and value to have the same dtype" in message, message
+    assert f"torch.autocast('cpu', dtype={dtype})" in message, message
+    # The way out it names works, bitwise.
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=dtype):
+        warnings.simplefilter("error", EagerPathWarning)
+        out = compiled(model, dtype)(x)
+        ref = model(x)
+    assert torch.equal(out, ref) and out.dtype == ref.dtype
+
+
+def test_a_hand_over_the_code_after_a_break_takes_is_checked_and_runs(monkeypatch):
+    # Value, query and key all bf16 across the break: the attention after it runs as eager's.
+    runs = []
+    real = graphamp.backend.handover.handover_error
+    monkeypatch.setattr(graphamp.backend.handover, "handover_error", lambda *a, **k: runs.append(a[1]) or real(*a, **k))
+    model, x = RotaryThenBreak(rotary=False), torch.randn(2, 4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerPathWarning)
+        out = compiled(model, torch.bfloat16)(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+    assert runs == [(__file__, RotaryThenBreak.forward.__code__.co_firstlineno + 4)]
+    assert torch.equal(out, ref) and out.dtype == ref.dtype
+
+
+_SEEN = []  # the frame's arguments are copied for the run: a global sees what it did
+
+
+def _mixes_after_the_line(x):
+    y = torch.mm(x, x)  # under autocast: bf16
+    _SEEN.append(torch.is_autocast_enabled("cpu"))  # the line: autocast off from here
+    return torch.bmm(y[None], x[None])  # fake propagation refuses a bf16 and an fp32 batch
+
+
+def _fails_only_when_run_after_the_line(x):
+    y = torch.mm(x, x)
+    _SEEN.append(torch.is_autocast_enabled("cpu"))
+    return torch.mm(y, x)  # fake propagation passes it (a later graph would cast it): not dynamo's error
+
+
+def _promotes_after_the_line(x):
+    y = torch.mm(x, x)
+    _SEEN.append(torch.is_autocast_enabled("cpu"))
+    return y + x
+
+
+@pytest.mark.parametrize("fn, fails", [
+    (_mixes_after_the_line, True), (_fails_only_when_run_after_the_line, False), (_promotes_after_the_line, False),
+])
+def test_handover_run_switches_autocast_off_at_the_line_and_restores_the_process(fn, fails):
+    site = (__file__, fn.__code__.co_firstlineno + 2)
+    _SEEN.clear()
+    before = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), sys.gettrace())
+    error = observe.handover_error(observe.Frame(fn, (torch.randn(4, 4),), {}), site, device_type="cpu", dtype=torch.bfloat16)
+    assert _SEEN == [False]
+    assert (isinstance(error, RuntimeError) and "bfloat16" in str(error).lower()) if fails else error is None, error
+    assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), sys.gettrace()) == before
+
+
+def test_handover_run_leaves_a_tracer_alone():
+    def tracer(frame, event, arg):
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        site = (__file__, _mixes_after_the_line.__code__.co_firstlineno + 2)
+        frame = observe.Frame(_mixes_after_the_line, (torch.randn(4, 4),), {})
+        assert observe.handover_error(frame, site, device_type="cpu", dtype=torch.bfloat16) is None
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(previous)
+
+
+class ReadsDtypeAfterBreak(BreaksTheGraph):
+    """After the break the frame gets the bf16 activation the graph before it hands over, which an
+    fp32 linear takes only under autocast (or in dynamo's fake propagation): the frame cannot run
+    eagerly without autocast, yet its x.to(orig_dtype) must still follow eager autocast's bf16."""
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        q = self.b(h)
+        orig = q.dtype
+        return (q.float() * 0.5).to(orig)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtype_reads_after_a_break_follow_eager_where_the_frame_cannot_run_in_fp32(dtype):
+    model, x = ReadsDtypeAfterBreak(), torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerPathWarning)
+        out = compiled(model, dtype)(x)
+    with torch.autocast("cpu", dtype=dtype):
+        ref = model(x)
+    assert out.dtype == ref.dtype == dtype
     assert torch.equal(out, ref)

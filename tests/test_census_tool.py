@@ -148,9 +148,8 @@ def spin(depth):  # busy, one frame deeper every 0.1 s: two stacks apart differ
     while time.time() - t < 0.1:
         pass
     spin(depth + 1)
-def loop():  # busy in one frame
-    while True:
-        pass
+def loop():  # busy in one frame, on one line (a two-line loop's dump names either line)
+    while True: pass
 if sys.argv[3] == "spin":
     spin(0)
 if sys.argv[3] == "loop":

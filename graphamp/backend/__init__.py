@@ -52,6 +52,7 @@ from graphamp.backend.dropped_masks import Split, dispatch, eager_sdpa_calls_for
 from graphamp.probe import SdpaCall
 from graphamp.backend.retrace import _retrace
 from graphamp.backend.fill_values import check_fill_values
+from graphamp.backend.handover import check_handover
 from graphamp.backend.options import INNER_COMPILERS
 from graphamp.backend.weight_casts import share_parameter_casts
 from graphamp.backend.inductor import inductor_patches
@@ -120,6 +121,9 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
     split = split_dropped_masks(gm, sdpa_calls, example_inputs)
     with autocast_off():
         amp_gm = rewrite(gm, example_inputs, spec, ambient=ambient, frame=frame, sdpa_calls=[] if split else sdpa_calls)
+        if not ambient and eager is not None:
+            # The code after a graph break runs without autocast on the values this graph hands over.
+            check_handover(gm, amp_gm, frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
         eager_gm = None
         if split is None and eager is not None:
             # Eager attention's ``scores + mask`` with a mask eager dropped: (graphamp.backend.dropped_masks).

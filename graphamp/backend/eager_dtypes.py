@@ -8,8 +8,10 @@ eagerly without and with autocast (:func:`graphamp.backend.observe.dtype_calls`)
 graph's calls that pass such constants to the fp32 run's calls in order (a sequence alignment on
 the call's name and constants: the graph may hold calls eager skips, such as a mask built only
 when compiling, and miss calls made after a graph break), and gives each matched call the
-constants of the autocast run. A constant eager changes that no graph call matches cannot be
-followed: that is an ``EagerPathWarning`` with the way out.
+constants of the autocast run. Where the frame cannot run without autocast (after a graph break,
+its arguments carry autocast's dtypes), the graph's calls match the autocast run's by name and
+line. A constant eager changes that no graph call matches cannot be followed: that is an
+``EagerPathWarning`` with the way out.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch.fx.node import map_aggregate
 from graphamp.backend.observe import DtypeCall, EagerRun, Frame, call_name, node_call_site, dtype_calls, dtype_constants, frame_name
 from graphamp.errors import EagerPathWarning
 
-__all__ = ["follow_eager_dtypes", "graph_break_site", "graph_dtype_calls", "align"]
+__all__ = ["follow_eager_dtypes", "graph_break_line", "graph_break_site", "graph_dtype_calls", "align"]
 
 
 def graph_dtype_calls(gm: GraphModule) -> list[tuple[Node, DtypeCall]]:
@@ -69,8 +71,10 @@ def follow_eager_dtypes(
         return False
     fp32 = dtype_calls(frame, device_type=device_type, dtype=None)
     low = low.calls if low is not None else dtype_calls(frame, device_type=device_type, dtype=dtype)
-    if fp32 is None or low is None or fp32 == low:
+    if low is None or fp32 == low:
         return False
+    if fp32 is None:
+        return _follow_by_site(gm, low, frame, device_type=device_type, dtype=dtype)
     if [(c.name, len(c.constants)) for c in fp32] != [(c.name, len(c.constants)) for c in low]:
         _warn(frame, device_type, dtype, "under autocast it takes another path (other calls pass dtypes)")
         return False
@@ -92,6 +96,34 @@ def follow_eager_dtypes(
     return bool(matched)
 
 
+def _follow_by_site(gm: GraphModule, low: list[DtypeCall], frame: Frame, *, device_type: str, dtype: torch.dtype) -> bool:
+    """Where the frame cannot run eagerly without autocast, give each graph call the constants of
+    the autocast run's call of the same name at the same line. That happens after a graph break:
+    the graph before it handed over autocast's dtypes (a bf16 hidden state), which dynamo's fake
+    propagation takes into an fp32 linear and an eager run does not. A call at a line that passes
+    the low dtype in the autocast run and that no graph call matches is lost (warned)."""
+    graph = graph_dtype_calls(gm)
+    matched = align([_by_site(call) for _, call in graph], [_by_site(call) for call in low])
+    changed = False
+    for i, j in matched.items():
+        if graph[i][1].constants != low[j].constants:
+            _with_constants(graph[i][0], low[j].constants)
+            changed = True
+    followed = set(matched.values())
+    span = max(followed, default=-1) + 1 if _ends_at_graph_break(gm) else len(low)
+    limits = {getattr(torch.finfo(dtype), a) * s for a in ("min", "max", "eps", "tiny") for s in (1, -1)}
+    missed = [low[j] for j in range(span) if j not in followed and any(c is dtype or c in limits for c in low[j].constants)]
+    if missed:
+        _warn(frame, device_type, dtype, f"it passes {_describe(missed, low)} where the graph holds no matching call")
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _by_site(call: DtypeCall) -> tuple[str, int, str]:
+    return call.name, len(call.constants), call.site
+
+
 def _ends_at_graph_break(gm: GraphModule) -> bool:
     reason = getattr(gm, "compile_subgraph_reason", None)  # dynamo's, on the graphs it hands over
     return bool(getattr(reason, "graph_break", False))
@@ -108,6 +140,15 @@ def graph_break_site(gm: GraphModule) -> str | None:
     stack = list(getattr(reason, "user_stack", None) or ())
     where = f"{stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else "a line dynamo did not record"
     return f"{where} ({why})"
+
+
+def graph_break_line(gm: GraphModule) -> tuple[str, int] | None:
+    """The file and line of the user's code where dynamo broke off the graph ``gm``; None where the
+    graph ends at the frame's return or dynamo recorded no line."""
+    if not _ends_at_graph_break(gm):
+        return None
+    stack = list(getattr(gm.compile_subgraph_reason, "user_stack", None) or ())
+    return (stack[-1].filename, stack[-1].lineno) if stack else None
 
 
 def _describe(missed: list[DtypeCall], low: list[DtypeCall]) -> str:

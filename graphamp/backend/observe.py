@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.fx import GraphModule
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -39,7 +40,7 @@ from graphamp.probe import SdpaCall, eager_sdpa_calls
 from graphamp.spec import ambient_autocast, autocast_off
 
 __all__ = [
-    "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "call_name", "compiled_frame", "dtype_calls", "dtype_constants",
+    "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "handover_error", "call_name", "compiled_frame", "dtype_calls", "dtype_constants",
     "frame_name", "observe_eager_frame", "returned_outputs", "under_dynamo",
 ]
 
@@ -355,6 +356,118 @@ def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cach
         return None
     off = frozenset(recorder.sites[False] - recorder.sites[True] - {""})
     return EagerRun(recorder.calls, result, off)
+
+
+def handover_error(
+    frame: Frame, site: tuple[str, int], *, device_type: str, dtype: torch.dtype, cache_enabled: bool = True,
+) -> Exception | None:
+    """The error dynamo's trace of the code after a graph break on ``site`` (file, line) meets
+    outside autocast, where the graph before the break hands over autocast's dtypes; else None.
+
+    The frame's code runs eagerly as ``torch.compile`` runs it: autocast on up to the first time the
+    line runs (the graph's program), off from there (dynamo traces the rest without autocast). From
+    the line on, each call also runs on fake tensors, as dynamo's trace propagates it, and the first
+    that fake propagation refuses because its tensors have two floating dtypes (it passes with them
+    cast to one) is the answer. The run stops, answering None, where a call runs otherwise than
+    fake propagation says (it fails, or returns another dtype: a later graph holds it, rewritten by
+    graphamp), and where it cannot watch lines (a debugger or tracer holds ``sys.settrace``).
+    Without grad, buffers, Python caches and random state restored after, as :func:`eager_run`.
+    """
+    if sys.gettrace() is not None:
+        return None
+    call = _EagerCall(frame.fn, _modules_reached(frame))
+    _clear_method_caches(call)
+    args, kwargs = _fresh_arguments(frame)
+    watch = _LikeDynamoAfter(site, device_type)
+    try:
+        with state_restored(call, seed=0), torch.no_grad(), ambient_autocast(device_type, dtype, cache_enabled=cache_enabled):
+            with watch:
+                call(*args, **kwargs)
+    except _MixedDtypes as e:
+        return e.__cause__ if isinstance(e.__cause__, Exception) else e
+    except Exception:  # the run left dynamo's trace, or the frame cannot run here: nothing to say
+        return None
+    return None
+
+
+class _MixedDtypes(Exception):
+    """Fake propagation refused a call for its tensors' two floating dtypes (the cause)."""
+
+
+class _Diverged(Exception):
+    """A call ran otherwise than fake propagation says: the run no longer follows dynamo's trace."""
+
+
+class _LikeDynamoAfter(TorchFunctionMode):
+    """From the first time the line ``site`` runs: ``device_type``'s autocast off (the enclosing
+    region restores it), and each call checked on fake tensors before it runs."""
+
+    def __init__(self, site: tuple[str, int], device_type: str) -> None:
+        super().__init__()
+        self.filename, self.lineno = site
+        self.device_type = device_type
+        self.reached = False
+        self.fake = FakeTensorMode()
+
+    def __enter__(self) -> Any:
+        sys.settrace(self._on_call)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        sys.settrace(None)
+        return super().__exit__(*exc)
+
+    def _on_call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        return self._on_line if not self.reached and frame.f_code.co_filename == self.filename else None
+
+    def _on_line(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == self.lineno and not self.reached:
+            self.reached = True
+            torch.set_autocast_enabled(self.device_type, False)
+        return self._on_line if not self.reached else None
+
+    def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.reached:
+            return func(*args, **kwargs)
+        expected = self._fake_dtypes(func, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            raise _Diverged from e
+        if expected is not None and _float_dtypes(out) != expected:
+            raise _Diverged
+        return out
+
+    def _fake_dtypes(self, func: Any, args: tuple, kwargs: dict) -> list[torch.dtype] | None:
+        """The floating dtypes the call returns on fake tensors; None where fake propagation cannot
+        say (an op it does not run, a value it cannot know). Raises :class:`_MixedDtypes`."""
+        try:
+            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, self.fake.from_tensor, (args, kwargs))
+            with self.fake:
+                return _float_dtypes(func(*fake_args, **fake_kwargs))
+        except Exception as e:
+            if type(e) is RuntimeError and self._one_dtype_passes(func, args, kwargs):
+                raise _MixedDtypes from e
+            return None
+
+    def _one_dtype_passes(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        floating = {t.dtype for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        if len(floating) < 2:
+            return False
+        common = torch.float32 if torch.float32 in floating else next(iter(floating))
+        try:
+            cast = pytree.tree_map_only(torch.Tensor, lambda t: (t.to(common) if t.is_floating_point() else t), (args, kwargs))
+            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, self.fake.from_tensor, cast)
+            with self.fake:
+                func(*fake_args, **fake_kwargs)
+        except Exception:
+            return False
+        return True
+
+
+def _float_dtypes(value: Any) -> list[torch.dtype]:
+    return [t.dtype for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def eager_backward(
