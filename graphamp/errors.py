@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "InputValueError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "CheckSkippedWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError", "CompileError", "CompileFallbackWarning", "UnitInputError", "UnsupportedShardingError", "InputStructureError", "ModelChangedError", "ModelMethodError", "EmulatedPrecisionWarning", "PlanMismatchError"]
+__all__ = ["GraphampError", "CaptureError", "UnsupportedFunctionError", "BannedOpError", "PromoteTypeError", "PolicyDriftError", "PolicyDriftWarning", "InputMismatchError", "InputShapeError", "InputValueError", "OptionError", "DeviceMismatchError", "EagerPathWarning", "CheckSkippedWarning", "SearchError", "SearchWarning", "ExportError", "ScriptCaptureError", "CompileError", "CompileFallbackWarning", "GraphBreakError", "UnitInputError", "UnsupportedShardingError", "InputStructureError", "ModelChangedError", "ModelMethodError", "EmulatedPrecisionWarning", "PlanMismatchError"]
 
 
 class GraphampError(Exception):
