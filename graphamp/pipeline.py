@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from graphamp.autotune.accuracy import no_less_accurate
+from graphamp.backend.fallback import needs_graph_breaks
 from graphamp.capture import capture
 from graphamp.capture.export import size_conditions_since, size_guard_count
 from graphamp.capture.stacks import source_lines_read_lazily
@@ -272,8 +273,20 @@ def reconvert(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, checke
     conversion was: ``checked`` is its self-check record (None: it was not checked). A difference the first conversion warned about warns again; else it
     raises, after the fallbacks convert tries (all-ones masks as None, the capture on values).
 
-    The module calls this through the engine it was emitted with (``AmpModule._engine``)."""
-    variant = build(model, args, kwargs, spec)
+    The module calls this through the engine it was emitted with (``AmpModule._engine``).
+    Where torch.export refuses the model on these inputs (a branch the example did not take), the
+    variant is captured on their values, as convert's last fallback: the dynamo fallback is no
+    graph to emit in a converted module's place."""
+    try:
+        variant = build(model, args, kwargs, spec)
+    except CaptureError as refused:
+        if spec.capture == "values" or not needs_graph_breaks(refused):
+            raise
+        spec = dataclasses.replace(spec, capture="values")
+        try:
+            variant = build(model, args, kwargs, spec)
+        except CaptureError:
+            raise refused  # noqa: B904 (its own cause, what torch.export met, is the one to show)
     if checked is None or not applies(spec, model, args, kwargs):
         return variant
     ok = checked.ok

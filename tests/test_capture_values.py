@@ -369,3 +369,32 @@ def test_a_guard_computes_a_size_the_read_uses_at_the_calls_size() -> None:
     padded[0, -2:] = 0
     assert_exact(model, amp, (torch.randn(3, 6, 8), padded), {}, torch.bfloat16)
     assert len(amp.__dict__[_VARIANTS]) == 1
+
+
+class ReadsValuesWhenLong(nn.Module):
+    """Reads a value only for inputs longer than the example: torch.export takes the example's
+    branch, and refuses the longer inputs' (data-dependent), where eager runs them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if x.shape[0] > 4:
+            return h * 2 if h.sum() > 0 else h - 1
+        return h
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_a_shape_export_refuses_converts_again_on_values(dtype: torch.dtype) -> None:
+    model = ReadsValuesWhenLong()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    amp = graphamp.convert(model, (x,), dtype=dtype)
+    assert isinstance(amp, graphamp.AmpModule) and amp.graphamp_info.capture != "values"
+    longer = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    assert_exact(model, amp, (longer,), {}, dtype)
+    assert_exact(model, amp, (-longer,), {}, dtype)  # the other value branch: guarded, converted again
+    assert_exact(model, amp, (x,), {}, dtype)
+    variants = amp.__dict__[_VARIANTS]
+    assert variants and all(v.graphamp_info.capture == "values" for v in variants), variants
