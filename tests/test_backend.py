@@ -145,6 +145,14 @@ def test_torch_compile_mode_needs_inductor():
         graphamp_backend(torch.fx.symbolic_trace(nn.Linear(4, 4)), [torch.randn(2, 4)], options=EAGER, mode="max-autotune")
 
 
+def test_an_empty_graph_is_handed_back_as_it_is():
+    # Dynamo hands over graphs of no ops (``return ()``) around graph breaks: nothing to cast.
+    graph = torch.fx.Graph()
+    graph.output(())
+    compiled = graphamp_backend(torch.fx.GraphModule(nn.Module(), graph), [])
+    assert compiled() == ()
+
+
 def test_options_dtype_and_config_apply():
     model = nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1))
     x = torch.randn(4, 8)

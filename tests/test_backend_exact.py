@@ -608,3 +608,37 @@ def test_dtype_reads_after_a_break_follow_eager_where_the_frame_cannot_run_in_fp
         ref = model(x)
     assert out.dtype == ref.dtype == dtype
     assert torch.equal(out, ref)
+
+
+class RecurrentAfterBreak(nn.Module):
+    """An LSTM after a graph break: nn.LSTM's Python refuses a bf16 input for fp32 weights, a check
+    it skips under autocast, and dynamo traces it without autocast on the bf16 the graph hands over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.rnn = nn.Linear(8, 8), nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x):
+        h = self.proj(x)
+        torch._dynamo.graph_break()
+        return self.rnn(h)[0]
+
+
+def test_an_error_the_models_python_raises_after_a_break_is_a_graph_break_error():
+    model, x = RecurrentAfterBreak(), torch.randn(2, 5, 8)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = model(x)
+    except RuntimeError as e:  # oneDNN's LSTM on some CPUs
+        pytest.skip(f"eager autocast itself cannot run this LSTM here: {e}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerPathWarning)
+        with pytest.raises(BackendCompilerFailed) as raised:
+            compiled(model, torch.bfloat16)(x)
+    error = raised.value.inner_exception
+    assert isinstance(error, GraphBreakError) and "ValueError: RNN input dtype" in str(error), repr(error)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("error", EagerPathWarning)
+        out = compiled(model, torch.bfloat16)(x)
+    assert torch.equal(out, ref)

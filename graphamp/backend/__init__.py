@@ -93,6 +93,9 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
             f"torch.compile(mode={inductor_mode!r}) configures inductor, but graphamp's inner compiler is "
             f"{opts.inner!r}; drop mode= or use options={{'inner': 'inductor'}}"
         )
+    if not any(n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes):
+        # No op to cast or compile: dynamo hands over empty graphs (``return ()``) around graph breaks.
+        return gm.forward
     device_type = opts.device_type or _device_type_of(gm, example_inputs)
     check_device(device_type, gm, list(example_inputs))
     # Dynamo restores the caller's global state while a backend runs and guards on it, so the

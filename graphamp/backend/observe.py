@@ -368,7 +368,8 @@ def handover_error(
     line runs (the graph's program), off from there (dynamo traces the rest without autocast). From
     the line on, each call also runs on fake tensors, as dynamo's trace propagates it, and the first
     that fake propagation refuses because its tensors have two floating dtypes (it passes with them
-    cast to one) is the answer. The run stops, answering None, where a call runs otherwise than
+    cast to one) is the answer, as is an error the model's Python raises from the line on (it runs
+    in dynamo's trace too). The run stops, answering None, where a call runs otherwise than
     fake propagation says (it fails, or returns another dtype: a later graph holds it, rewritten by
     graphamp), and where it cannot watch lines (a debugger or tracer holds ``sys.settrace``).
     Without grad, buffers, Python caches and random state restored after, as :func:`eager_run`.
@@ -385,8 +386,12 @@ def handover_error(
                 call(*args, **kwargs)
     except _MixedDtypes as e:
         return e.__cause__ if isinstance(e.__cause__, Exception) else e
-    except Exception:  # the run left dynamo's trace, or the frame cannot run here: nothing to say
+    except _Diverged:  # the run left dynamo's trace: nothing to say
         return None
+    except Exception as e:
+        # Raised by the model's Python after the line (nn.LSTM's dtype check, which autocast
+        # skips): dynamo's trace runs that Python too. Before it, the frame cannot run here.
+        return e if watch.reached else None
     return None
 
 
