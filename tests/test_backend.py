@@ -5,7 +5,6 @@ Exactness runs with options={"inner": "eager"} (AOTAutograd with eager graphs), 
 graph is bitwise eager autocast; inductor tests are few and small, since each compile takes seconds.
 """
 
-import functools
 import importlib.metadata
 import os
 import subprocess
@@ -24,7 +23,7 @@ from graphamp.backend import BackendOptions, graphamp_backend, rewrite
 from graphamp.policy import lstm_uses_onednn
 from graphamp.spec import AmpSpec
 from conftest import build_case
-from helpers import _loss, assert_same_grads, assert_same_outputs, float_leaves, matmul_function, run_eager
+from helpers import _loss, assert_same_grads, assert_same_outputs, matmul_function, run_eager
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 EAGER = {"inner": "eager"}
