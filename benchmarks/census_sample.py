@@ -50,6 +50,10 @@ CAUSES: dict[str, tuple[str, ...]] = {
     # Eager autocast itself hands SDPA an fp32 query and a bf16 value after a graph break: outside
     # autocast a typed GraphBreakError (known below), inside autocast bitwise.
     "hf/glm5_next_vision": ("backend", "backend_autocast"),
+    # A frame dynamo skips (a graph break in a loop) runs eagerly, in fp32 outside autocast: GLM-4V's
+    # vision tower after its blocks loop (its nn.Conv2d), EnCodec's encoder (nn.LSTM on a bf16 input).
+    "hf/glm4v_vision": ("backend",),
+    "hf/encodec": ("backend",),
 }
 
 # Models graphamp converts today, across families; a few run every check. (T5's outputs and
@@ -83,4 +87,6 @@ SAMPLE: dict[str, tuple[str, ...]] = {**CAUSES, **CONVERTING}
 # eager regions and dropped masks); what is left is a refusal by design.
 KNOWN: dict[tuple[str, str], str] = {
     ("hf/glm5_next_vision", "backend"): "GraphBreakError: after a graph break, SDPA meets the fp32 query and bf16 value eager autocast itself passes it",
+    ("hf/glm4v_vision", "backend"): "EagerPathWarning naming the outputs: the frame dynamo skips runs its nn.Conv2d in fp32",
+    ("hf/encodec", "backend"): "GraphBreakError: the frame dynamo skips hands nn.LSTM a bf16 input outside autocast",
 }

@@ -136,7 +136,8 @@ class GraphBreakError(GraphampError, RuntimeError):
     hands over in autocast's dtypes (``scaled_dot_product_attention`` meeting an fp32 query and a
     bf16 value, which autocast would have cast to one dtype). Raised when the graph before the break
     compiles, naming the break and the failing call; the way out is to call the compiled model inside
-    ``torch.autocast``."""
+    ``torch.autocast``. Also raised where code dynamo skips (a graph break inside a loop) fails, run
+    without autocast, on the values graphamp's graphs hand over."""
 
 
 class CompileFallbackWarning(UserWarning):

@@ -1,0 +1,292 @@
+"""Check the code dynamo skips: outside ``torch.autocast`` it runs eagerly, in fp32.
+
+Dynamo runs some of a compiled model's code as plain Python, outside any graph: a frame with a graph
+break inside a loop, from the break's function on (transformers' GLM-4V vision tower, Encodec's
+encoder), or a frame whose graph break it cannot resume from. Called outside ``torch.autocast``,
+that code runs its ops in fp32 where eager autocast runs them in mixed precision, on the values
+graphamp's graphs hand over in autocast's dtypes: the model's output can come back in fp32, or an op
+fails on two dtypes.
+
+When a graph compiles below such a frame, the backend replays the whole compiled call twice from the
+arguments ``torch.compile`` received: under eager autocast, and as the compiled model runs it (the
+model's Python reading autocast off, as dynamo traced it; each op of code dynamo compiles in
+autocast's dtypes, as graphamp's graphs give them; the ops of skipped code, and of torch's modules it
+calls, without autocast). Where the second run fails, :class:`graphamp.GraphBreakError`; where it
+returns other values and the skipped code ran an op autocast would have run in another dtype, an
+``EagerPathWarning`` naming the outputs. Once per skipped code and model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from graphamp.backend.eager_check import output_difference
+from graphamp.backend.observe import Frame, _clear_method_caches, _EagerCall, _float_dtypes, _fresh_arguments
+from graphamp.eager import state_restored
+from graphamp.errors import CheckSkippedWarning, EagerPathWarning, GraphBreakError
+from graphamp.spec import ambient_autocast, autocast_off
+
+__all__ = ["check_skipped_code", "skipped_frames"]
+
+# Code of these directories is not the model's: an op called from torch's modules (nn.Conv2d.forward)
+# runs as the model code that called it does.
+_NOT_MODEL = tuple(
+    os.path.dirname(p) + os.sep
+    for p in (torch.__file__, os.path.dirname(__file__), sysconfig.get_paths()["stdlib"] + os.sep + "x")
+)
+
+# The skipped codes already checked, per compiled model (the model, or the compiled function).
+_checked: weakref.WeakKeyDictionary[Any, set[types.CodeType]] = weakref.WeakKeyDictionary()
+
+
+def _dynamo_codes() -> tuple[Any, Any, Callable[[types.CodeType], list[Any]]]:
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.convert_frame import input_codes, output_codes
+
+    return input_codes, output_codes, _debug_get_cache_entry_list
+
+
+def _model_code(code: types.CodeType) -> bool:
+    return not code.co_filename.startswith(_NOT_MODEL)
+
+
+def skipped_frames(current: types.CodeType | None) -> list[types.FrameType]:
+    """The model's frames on the Python stack that dynamo saw and runs eagerly (it skipped them, or the
+    rest of them from a graph break), innermost first; ``current``: the code being compiled now."""
+    try:
+        input_codes, output_codes, _ = _dynamo_codes()
+    except ImportError:  # private to torch
+        return []
+    found = []
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        if code is not current and _model_code(code) and code in input_codes and code not in output_codes:
+            found.append(f)
+        f = f.f_back
+    return found
+
+
+def _compile_entry() -> tuple[Callable[..., Any], tuple, dict[str, Any]] | None:
+    """The callable ``torch.compile`` wrapped and the arguments of the call being compiled now."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "compile_wrapper" and f.f_code.co_filename.endswith(os.path.join("_dynamo", "eval_frame.py")):
+            loc = f.f_locals
+            if callable(loc.get("fn")) and isinstance(loc.get("args"), tuple) and isinstance(loc.get("kwargs"), dict):
+                return loc["fn"], loc["args"], loc["kwargs"]
+        f = f.f_back
+    return None
+
+
+def check_skipped_code(current: Frame | None, *, device_type: str, dtype: torch.dtype, cache_enabled: bool = True) -> None:
+    """Raise :class:`GraphBreakError`, or warn, where code dynamo runs eagerly above the frame being
+    compiled changes what the compiled model gives outside autocast (see the module's docstring)."""
+    code = getattr(getattr(current, "fn", None), "__code__", None)
+    frames = skipped_frames(code)
+    if not frames:
+        return
+    entry = _compile_entry()
+    if entry is None:
+        warnings.warn(
+            f"dynamo runs {_names(frames)} eagerly, outside its graphs, which outside torch.autocast runs in fp32; "
+            "graphamp could not find the compiled call to check what that changes.",
+            CheckSkippedWarning,
+            stacklevel=4,
+        )
+        return
+    fn, args, kwargs = entry
+    key = getattr(fn, "__self__", fn)
+    try:
+        checked = _checked.setdefault(key, set())
+    except TypeError:  # not weakly referable: checked on every compile
+        checked = set()
+    new = [f for f in frames if f.f_code not in checked]
+    if not new:
+        return
+    checked.update(f.f_code for f in new)
+    modules = [m for m in (fn, getattr(fn, "__self__", None)) if isinstance(m, nn.Module)]
+    frame = Frame(fn, args, kwargs)
+    want = _replay(frame, modules, None, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
+    if isinstance(want, BaseException):
+        return  # eager autocast itself cannot run the call here: nothing to compare with
+    mode = _AsCompiled(code, device_type, dtype, cache_enabled)
+    got = _replay(frame, modules, mode, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
+    way_out = (
+        f"Way out: call the compiled model inside torch.autocast({device_type!r}, dtype={dtype}) (graphamp's casts stay "
+        "the only ones applied), or remove the graph break (torch._dynamo.explain names it)."
+    )
+    where = (f"dynamo runs {_names(new)} eagerly, outside its graphs (a graph break in a loop, or one it cannot "
+             "resume from). Called outside torch.autocast, that code runs its ops without autocast, in fp32")
+    if isinstance(got, BaseException):
+        first = next((line.strip() for line in str(got).splitlines() if line.strip()), "")
+        raise GraphBreakError(
+            f"{where}, and it fails on the values graphamp's graphs hand over in autocast's dtypes: "
+            f"{type(got).__name__}: {first[:300].rstrip('.')}. {way_out}"
+        ) from got
+    differs = _differences(got, want)
+    if differs and mode.changed:
+        warnings.warn(
+            f"{where}, where eager autocast runs {mode.changed} in {dtype}. The compiled model's "
+            f"{'; '.join(differs[:4])}. {way_out}",
+            EagerPathWarning,
+            stacklevel=4,
+        )
+
+
+def _replay(frame: Frame, modules: list[nn.Module], mode: _AsCompiled | None, *, device_type: str, dtype: torch.dtype, cache_enabled: bool) -> Any:
+    """The compiled call's result run eagerly: under autocast (``mode`` None), else as ``mode`` runs
+    it; the exception where it fails. Without grad, the model's state and random state restored."""
+    call = _EagerCall(frame.fn, modules)
+    _clear_method_caches(call)
+    try:
+        args, kwargs = _fresh_arguments(frame)
+        with state_restored(call, seed=0), torch.no_grad():
+            if mode is None:
+                with ambient_autocast(device_type, dtype, cache_enabled=cache_enabled):
+                    return call(*args, **kwargs)
+            with autocast_off((device_type,)), mode:
+                return call(*args, **kwargs)
+    except Exception as e:
+        return e
+
+
+class _AsCompiled(TorchFunctionMode):
+    """Run each op as the compiled model does outside autocast: without autocast where the model code
+    calling it runs eagerly (dynamo skipped it), else under autocast to ``dtype``, as graphamp's graph
+    of that code gives it. ``changed``: the first op of eagerly run code whose dtype autocast changes."""
+
+    def __init__(self, current: types.CodeType | None, device_type: str, dtype: torch.dtype, cache_enabled: bool) -> None:
+        super().__init__()
+        self.device_type, self.dtype, self.cache_enabled = device_type, dtype, cache_enabled
+        self.current = current
+        self.changed: str | None = None
+        self.fake = FakeTensorMode()
+        self.nesting = 0
+        self.eager_from = _eager_regions(current)
+
+    def __enter__(self) -> Any:
+        self.nesting = _autocast_nesting()
+        return super().__enter__()
+
+    def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        caller = _model_caller(sys._getframe(1))
+        if _autocast_nesting() > self.nesting:
+            return func(*args, **kwargs)  # inside the model's own torch.autocast region: as it says
+        if caller is not None and self._runs_eagerly(caller):
+            if self.changed is None and self._autocast_changes(func, args, kwargs):
+                self.changed = f"{getattr(func, '__name__', func)} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+            return func(*args, **kwargs)
+        with ambient_autocast(self.device_type, self.dtype, cache_enabled=self.cache_enabled):
+            return func(*args, **kwargs)
+
+    def _runs_eagerly(self, f: types.FrameType) -> bool:
+        code = f.f_code
+        starts = self.eager_from.get(code)
+        if starts:
+            eager = None
+            for line, skipped in starts:
+                if line <= f.f_lineno:
+                    eager = skipped
+            if eager is not None:
+                return eager
+        return _skipped(code, self.current)
+
+    def _autocast_changes(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        try:
+            fake = pytree.tree_map_only(torch.Tensor, self.fake.from_tensor, (args, kwargs))
+            with self.fake:
+                off = _float_dtypes(func(*fake[0], **fake[1]))
+                with ambient_autocast(self.device_type, self.dtype):
+                    on = _float_dtypes(func(*fake[0], **fake[1]))
+        except Exception:  # fake propagation cannot say
+            return False
+        return off != on
+
+
+def _skipped(code: types.CodeType, current: types.CodeType | None) -> bool:
+    """Whether dynamo runs ``code`` eagerly: it saw the code and holds no compiled entry for it."""
+    input_codes, output_codes, entries = _dynamo_codes()
+    return code is not current and code in input_codes and code not in output_codes and not entries(code)
+
+
+def _eager_regions(current: types.CodeType | None) -> dict[types.CodeType, list[tuple[int, bool]]]:
+    """For each function dynamo resumed after a graph break: (the line each resumed part starts at,
+    whether dynamo runs that part eagerly), by line."""
+    try:
+        from torch._dynamo.resume_execution import ContinueExecutionCache
+    except ImportError:  # private to torch
+        return {}
+    cache = ContinueExecutionCache.cache  # dynamo's ExactWeakKeyDictionary: the code each resumes
+    parent: dict[types.CodeType, types.CodeType] = {}
+    for idx, ref in list(getattr(cache, "refs", {}).items()):
+        origin = ref()
+        for code in (cache.values.get(idx) or {}).values() if origin is not None else ():
+            parent[code] = origin
+    regions: dict[types.CodeType, list[tuple[int, bool]]] = {}
+    for code, origin in parent.items():
+        while origin in parent:
+            origin = parent[origin]
+        regions.setdefault(origin, []).append((code.co_firstlineno, _skipped(code, current)))
+    return {code: sorted(starts) for code, starts in regions.items()}
+
+
+def _model_caller(f: types.FrameType | None) -> types.FrameType | None:
+    while f is not None and not _model_code(f.f_code):
+        f = f.f_back
+    return f
+
+
+def _autocast_nesting() -> int:
+    level = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return level - 1
+
+
+def _differences(got: Any, want: Any) -> list[str]:
+    """Each output where ``got`` differs from ``want``: ``output<path> (tensor #i): how``."""
+    got_leaves = pytree.tree_flatten_with_path(got)[0]
+    want_leaves = pytree.tree_flatten_with_path(want)[0]
+    if len(got_leaves) != len(want_leaves):
+        return ["output: another structure than eager autocast's"]
+    found = []
+    tensors = 0
+    for (path, a), (_, b) in zip(got_leaves, want_leaves):
+        if not isinstance(a, torch.Tensor):
+            continue
+        how = output_difference(a, b)
+        if how:
+            found.append(f"output{pytree.keystr(path)} (tensor #{tensors}): {how}")
+        tensors += 1
+    return found
+
+
+def _names(frames: list[types.FrameType]) -> str:
+    return ", ".join(dict.fromkeys(_name(f) for f in frames))
+
+
+def _name(f: types.FrameType) -> str:
+    code = f.f_code
+    name = code.co_name
+    start = ""
+    if name.startswith("torch_dynamo_resume_in_"):
+        base, _, line = name[len("torch_dynamo_resume_in_"):].rpartition("_at_")
+        name, start = base, f" from line {line}"
+    owner = f.f_locals.get("self")
+    qual = f"{type(owner).__name__}.{name}" if owner is not None and not isinstance(owner, type) else name
+    return f"{qual} ({os.path.basename(code.co_filename)}{start})"
+
