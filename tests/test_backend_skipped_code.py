@@ -20,7 +20,6 @@ from graphamp.errors import EagerPathWarning, GraphBreakError
 from test_backend_exact import DTYPES, _fresh_dynamo, compiled  # noqa: F401  (_fresh_dynamo: autouse)
 
 
-
 class Block(nn.Module):
     def __init__(self, off: bool = False) -> None:
         super().__init__()
