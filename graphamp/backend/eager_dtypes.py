@@ -17,13 +17,14 @@ line. A constant eager changes that no graph call matches cannot be followed: th
 from __future__ import annotations
 
 import difflib
+import traceback
 import warnings
 
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate
 
-from graphamp.backend.observe import DtypeCall, EagerRun, Frame, call_name, node_call_site, dtype_calls, dtype_constants, frame_name
+from graphamp.backend.observe import DtypeCall, EagerRun, Frame, call_name, node_call_site, dtype_calls, dtype_constants, dtype_limits, frame_name
 from graphamp.errors import EagerPathWarning
 
 __all__ = ["follow_eager_dtypes", "graph_break_line", "graph_break_site", "graph_dtype_calls", "align"]
@@ -111,7 +112,7 @@ def _follow_by_site(gm: GraphModule, low: list[DtypeCall], frame: Frame, *, devi
             changed = True
     followed = set(matched.values())
     span = max(followed, default=-1) + 1 if _ends_at_graph_break(gm) else len(low)
-    limits = {getattr(torch.finfo(dtype), a) * s for a in ("min", "max", "eps", "tiny") for s in (1, -1)}
+    limits = dtype_limits(dtype)
     missed = [low[j] for j in range(span) if j not in followed and any(c is dtype or c in limits for c in low[j].constants)]
     if missed:
         _warn(frame, device_type, dtype, f"it passes {_describe(missed, low)} where the graph holds no matching call")
@@ -135,20 +136,23 @@ def graph_break_site(gm: GraphModule) -> str | None:
     None where the graph ends at the frame's return."""
     if not _ends_at_graph_break(gm):
         return None
-    reason = gm.compile_subgraph_reason
-    why = next((line.strip() for line in str(reason.reason).splitlines() if line.strip()), "no reason given")
-    stack = list(getattr(reason, "user_stack", None) or ())
-    where = f"{stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else "a line dynamo did not record"
+    why = next((line.strip() for line in str(gm.compile_subgraph_reason.reason).splitlines() if line.strip()), "no reason given")
+    at = _break_frame(gm)
+    where = f"{at.filename}:{at.lineno} in {at.name}" if at is not None else "a line dynamo did not record"
     return f"{where} ({why})"
 
 
 def graph_break_line(gm: GraphModule) -> tuple[str, int] | None:
     """The file and line of the user's code where dynamo broke off the graph ``gm``; None where the
     graph ends at the frame's return or dynamo recorded no line."""
-    if not _ends_at_graph_break(gm):
-        return None
+    at = _break_frame(gm) if _ends_at_graph_break(gm) else None
+    return (at.filename, at.lineno) if at is not None else None
+
+
+def _break_frame(gm: GraphModule) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's stack dynamo recorded at the break, or None."""
     stack = list(getattr(gm.compile_subgraph_reason, "user_stack", None) or ())
-    return (stack[-1].filename, stack[-1].lineno) if stack else None
+    return stack[-1] if stack else None
 
 
 def _describe(missed: list[DtypeCall], low: list[DtypeCall]) -> str:

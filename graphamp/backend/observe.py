@@ -40,7 +40,7 @@ from graphamp.probe import SdpaCall, eager_sdpa_calls
 from graphamp.spec import ambient_autocast, autocast_off
 
 __all__ = [
-    "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "handover_error", "call_name", "compiled_frame", "dtype_calls", "dtype_constants",
+    "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "handover_error", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "dtype_limits",
     "frame_name", "observe_eager_frame", "returned_outputs", "under_dynamo",
 ]
 
@@ -293,8 +293,14 @@ def dtype_constants(args: Any, kwargs: Any) -> tuple[Any, ...]:
     return tuple(leaf for leaf in pytree.tree_leaves((args, kwargs)) if _dtype_constant(leaf))
 
 
+def dtype_limits(dtype: torch.dtype) -> frozenset[float]:
+    """The floats code derives from ``dtype``'s ``finfo``: its min, max, eps and tiny, of either sign."""
+    info = torch.finfo(dtype)
+    return frozenset(getattr(info, a) * s for a in ("min", "max", "eps", "tiny") for s in (1, -1))
+
+
 _FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_LIMITS = frozenset(getattr(torch.finfo(d), a) * s for d in _FLOATING for a in ("min", "max", "eps", "tiny") for s in (1, -1))
+_LIMITS = frozenset().union(*(dtype_limits(d) for d in _FLOATING))
 
 
 def _dtype_constant(leaf: Any) -> bool:
