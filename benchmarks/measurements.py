@@ -152,12 +152,13 @@ CITED = (
           "a model of the population not in it has not run at this commit.",
           "scripts/census-continue benchmarks/results/census-937c3ec-population.jsonl --jobs 2 --timeout 900"),
     Cited("census-337026d-recheck.jsonl", "The census's silent findings, checked again at a later commit", "337026d",
-          "The seven models whose checks differed or failed silently in the census above, run again at a later "
+          "The models whose checks differed or failed silently in the census above, run again at a later "
           "graphamp commit on the same machine, with the checks that were silent (batch, the backend outside "
           "`torch.autocast`) and the backend inside it. The census table above stays what it measured at its own "
           "commit; a full census at one later commit replaces both.",
           ".venv/bin/python benchmarks/census.py --only '^hf/(cohere_compass_vision|deimv2|encodec|glm4v_vision|"
-          "glm4v_moe_vision|glm5_next_vision|glm_ocr_vision)$' --checks batch,backend,backend_autocast --jobs 1 "
+          "glm4v_moe_vision|glm5_next_vision|glm_ocr_vision|hunyuan_vl_vision|hy_v4_vl_vision)$' "
+          "--checks batch,backend,backend_autocast --jobs 1 "
           "--timeout 900 --out benchmarks/results/census-337026d-recheck.jsonl (hf/deimv2, past 900 s, again with "
           "--timeout 2700 into another file, then --merge)"),
 )
