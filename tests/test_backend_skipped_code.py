@@ -132,6 +132,16 @@ def test_skipped_code_that_changes_nothing_is_silent_and_bitwise(dtype, off):
         assert all(torch.equal(got[k], ref[k]) and got[k].dtype == ref[k].dtype for k in ref)
 
 
+def test_self_check_false_turns_the_replay_off(monkeypatch):
+    monkeypatch.setattr(skipped_code, "_replay", lambda *a, **k: pytest.fail("replayed with self_check=False"))
+    model, x = SkipsInALoop("head_fp32").eval(), torch.randn(2, 8)
+    cm = torch.compile(model, backend="graphamp", options={"inner": "eager", "self_check": False})
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        cm(x)
+    assert not _dynamo_runs(caught)
+
+
 def test_the_replays_leave_the_autocast_state_as_they_found_it():
     model, x = SkipsInALoop("head_fp32").eval(), torch.randn(2, 8)
     before = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled(), skipped_code._autocast_nesting())

@@ -119,8 +119,9 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
         site = graph_break_site(gm)
         if site is not None:
             _warn_code_between_graphs(frame_name(frame) if frame is not None else "the compiled code", site, device_type, spec.dtype)
-        # Code dynamo skipped, above this frame, runs eagerly in fp32 (graphamp.backend.skipped_code).
-        check_skipped_code(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
+        if opts.self_check:
+            # Code dynamo skipped, above this frame, runs eagerly in fp32 (graphamp.backend.skipped_code).
+            check_skipped_code(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
     # Where eager's Python dropped an input-dependent attention mask by value, eager's program and
     # dynamo's are both compiled, and each call picks by the mask (graphamp.backend.dropped_masks).
     sdpa_calls = eager_sdpa_calls_for(gm, frame, device_type=device_type, dtype=spec.dtype) if exact else None

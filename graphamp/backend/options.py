@@ -48,7 +48,8 @@ class BackendOptions:
     cache_enabled: bool | None = None
     # In exact mode, where dynamo's graph holds the whole frame: run the frame once under eager
     # autocast and the rewritten graph once, on the call being compiled, and warn
-    # (EagerPathWarning) if a returned tensor differs (graphamp.backend.eager_check).
+    # (EagerPathWarning) if a returned tensor differs (graphamp.backend.eager_check). Outside
+    # autocast, also replay the whole call where dynamo skips code (graphamp.backend.skipped_code).
     self_check: bool = True
 
     @classmethod
