@@ -157,7 +157,8 @@ CITED = (
           "`torch.autocast`) and the backend inside it. The census table above stays what it measured at its own "
           "commit; a full census at one later commit replaces both.",
           ".venv/bin/python benchmarks/census.py --only '^hf/(cohere_compass_vision|deimv2|encodec|glm4v_vision|"
-          "glm4v_moe_vision|glm5_next_vision|glm_ocr_vision|hunyuan_vl_vision|hy_v4_vl_vision)$' "
+          "glm4v_moe_vision|glm5_next_vision|glm_ocr_vision|hunyuan_vl_vision|hy_v4_vl_vision|inkling2_vision|"
+          "kimi_k25_vision)$' "
           "--checks batch,backend,backend_autocast --jobs 1 "
           "--timeout 900 --out benchmarks/results/census-337026d-recheck.jsonl (hf/deimv2, past 900 s, again with "
           "--timeout 2700 into another file, then --merge)"),
