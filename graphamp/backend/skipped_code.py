@@ -177,6 +177,7 @@ class _AsCompiled(TorchFunctionMode):
         self.fake = FakeTensorMode()
         self.nesting = 0
         self.eager_from = _eager_regions(current)
+        self.skipped: dict[types.CodeType, bool] = {}  # dynamo compiles nothing while the replay runs
 
     def __enter__(self) -> Any:
         self.nesting = _autocast_nesting()
@@ -184,9 +185,9 @@ class _AsCompiled(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        caller = _model_caller(sys._getframe(1))
         if _autocast_nesting() > self.nesting:
             return func(*args, **kwargs)  # inside the model's own torch.autocast region: as it says
+        caller = _model_caller(sys._getframe(1))
         if caller is not None and self._runs_eagerly(caller):
             if self.changed is None and self._autocast_changes(func, args, kwargs):
                 self.changed = f"{getattr(func, '__name__', func)} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
@@ -204,7 +205,9 @@ class _AsCompiled(TorchFunctionMode):
                     eager = skipped
             if eager is not None:
                 return eager
-        return _skipped(code, self.current)
+        if code not in self.skipped:
+            self.skipped[code] = _skipped(code, self.current)
+        return self.skipped[code]
 
     def _autocast_changes(self, func: Any, args: tuple, kwargs: dict) -> bool:
         try:
