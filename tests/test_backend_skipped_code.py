@@ -154,3 +154,62 @@ def test_the_replays_leave_the_autocast_state_as_they_found_it():
 
 def test_no_frame_is_skipped_outside_a_compile():
     assert skipped_code.skipped_frames(None) == []
+
+
+class SkipsWithNoGraphBelow(nn.Module):
+    """The rest of forward after a break, a loop over plain linears with a break inside, is skipped,
+    and no graph compiles below it (dynamo compiles no frame of torch.nn): dynamo decides so on the
+    first call, after the graph before the break ran. ``tail``: what the loop runs."""
+
+    def __init__(self, tail: str) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.tail = tail
+
+    def forward(self, x):
+        x = torch.relu(self.pre(x))
+        if self.tail == "linear_fp32":
+            x = x.float()
+        if x.sum().item() > 1e9:
+            x = x + 1
+        for lin in self.lins:
+            x = lin(x) if self.tail == "linear_fp32" else x * 2
+            if x.sum().item() > 1e9:
+                x = x * 2
+        return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_skipped_rest_with_no_graph_below_is_named_from_the_second_call(dtype):
+    torch.manual_seed(0)
+    model, x = SkipsWithNoGraphBelow("linear_fp32").eval(), torch.randn(2, 8)
+    cm = compiled(model, dtype)
+    said = []
+    for _ in range(3):
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            out = cm(x)
+        said.append([str(w.message) for w in _dynamo_runs(caught)])
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        ref = model(x)
+    assert out.dtype == torch.float32 and ref.dtype == dtype  # what the warning says
+    assert said[0] == [] and said[2] == [], said  # dynamo decides on the first call; named once
+    assert len(said[1]) == 1, said
+    message = said[1][0]
+    assert "dynamo runs SkipsWithNoGraphBelow.forward (test_backend_skipped_code.py from line" in message, message
+    assert f"output (tensor #0): torch.float32 where eager autocast gives {dtype}" in message, message
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_skipped_rest_that_changes_nothing_is_silent(dtype):
+    torch.manual_seed(0)
+    model, x = SkipsWithNoGraphBelow("pointwise").eval(), torch.randn(2, 8)
+    cm = compiled(model, dtype)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        outs = [cm(x) for _ in range(3)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        ref = model(x)
+    assert not _dynamo_runs(caught), [str(w.message) for w in _dynamo_runs(caught)]
+    assert all(torch.equal(out, ref) and out.dtype == ref.dtype for out in outs)

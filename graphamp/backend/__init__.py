@@ -29,6 +29,7 @@ works after ``pip install`` without importing graphamp.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -53,7 +54,7 @@ from graphamp.probe import SdpaCall
 from graphamp.backend.retrace import _retrace
 from graphamp.backend.fill_values import check_fill_values
 from graphamp.backend.handover import check_handover
-from graphamp.backend.skipped_code import check_skipped_code
+from graphamp.backend.skipped_code import check_skipped_code, rest_checker
 from graphamp.backend.options import INNER_COMPILERS
 from graphamp.backend.weight_casts import share_parameter_casts
 from graphamp.backend.inductor import inductor_patches
@@ -105,6 +106,7 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
     spec = AmpSpec(device_type, resolve_dtype(opts.dtype, device_type), opts.mode, inference, opts.config or Config(), target="aot")
     ambient = torch.is_autocast_enabled(device_type)
     frame = compiled_frame()
+    check_rest = None
     exact = spec.mode == "exact"
     eager = (
         eager_run(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
@@ -119,6 +121,9 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
         site = graph_break_site(gm)
         if site is not None:
             _warn_code_between_graphs(frame_name(frame) if frame is not None else "the compiled code", site, device_type, spec.dtype)
+            if opts.self_check:
+                # The rest of the frame after the break, where dynamo skips it on the first call.
+                check_rest = rest_checker(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
         if opts.self_check:
             # Code dynamo skipped, above this frame, runs eagerly in fp32 (graphamp.backend.skipped_code).
             check_skipped_code(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
@@ -150,7 +155,8 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
             compiled if opts.inner == "eager" else amp_gm, example_inputs, frame, eager, graph=amp_gm, traced=gm,
             device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled, grads=not inference,
         )
-    return compiled
+    # After the self-check's calls: the model's first call is this graph's first.
+    return compiled if check_rest is None else _on_second_call(compiled, check_rest)
 
 
 def rewrite(
@@ -276,6 +282,23 @@ def _run_without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
                 return fn(*args)
         return fn(*args)
 
+    return _called_as(run, fn)
+
+
+def _on_second_call(fn: Callable[..., Any], check: Callable[[], None]) -> Callable[..., Any]:
+    """``fn``, running ``check`` first on its second call."""
+    calls = itertools.count()
+
+    def run(*args: Any) -> Any:
+        if next(calls) == 1:
+            check()
+        return fn(*args)
+
+    return _called_as(run, fn)
+
+
+def _called_as(run: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``run``, a wrapper of ``fn``, called by dynamo and AOTAutograd as ``fn`` is (boxed or not)."""
     run.__wrapped__ = fn  # type: ignore[attr-defined]
     for attr in ("_boxed_call",):
         if hasattr(fn, attr):

@@ -13,7 +13,9 @@ model's Python reading autocast off, as dynamo traced it; each op of code dynamo
 autocast's dtypes, as graphamp's graphs give them; the ops of skipped code, and of torch's modules it
 calls, without autocast). Where the second run fails, :class:`graphamp.GraphBreakError`; where it
 returns other values and the skipped code ran an op autocast would have run in another dtype, an
-``EagerPathWarning`` naming the outputs. Once per skipped code and model.
+``EagerPathWarning`` naming the outputs. Once per skipped code and model. Where no graph compiles
+below the skipped rest of a frame, dynamo skips it on the first call, after the graph before its
+break ran: that graph checks it on its second call (:func:`rest_checker`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from graphamp.eager import state_restored
 from graphamp.errors import CheckSkippedWarning, EagerPathWarning, GraphBreakError
 from graphamp.spec import ambient_autocast, autocast_off
 
-__all__ = ["check_skipped_code", "skipped_frames"]
+__all__ = ["check_skipped_code", "rest_checker", "skipped_frames"]
 
 # Code of these directories is not the model's: an op called from torch's modules (nn.Conv2d.forward)
 # runs as the model code that called it does.
@@ -97,15 +99,38 @@ def check_skipped_code(current: Frame | None, *, device_type: str, dtype: torch.
     compiled changes what the compiled model gives outside autocast (see the module's docstring)."""
     code = getattr(getattr(current, "fn", None), "__code__", None)
     frames = skipped_frames(code)
-    if not frames:
-        return
+    if frames:
+        _check({f.f_code: _name(f.f_code, f.f_locals.get("self")) for f in frames}, code,
+               device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
+
+
+def rest_checker(current: Frame | None, *, device_type: str, dtype: torch.dtype, cache_enabled: bool = True) -> Callable[[], None] | None:
+    """For a graph that ends at a graph break: what checks, from its second call on, the rest of its
+    frame where dynamo runs that rest eagerly and no graph compiles below it (dynamo decides on the
+    first call, after this graph ran). Raises or warns as :func:`check_skipped_code`."""
+    code = getattr(getattr(current, "fn", None), "__code__", None)
+    if code is None:
+        return None
+    owner = current.args[0] if current.args and isinstance(current.args[0], nn.Module) else None
+
+    def check() -> None:
+        rest = {c: _name(c, owner) for _, c in _resumed_parts().get(code, ()) if _skipped(c, None)}
+        if rest:
+            _check(rest, None, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
+
+    return check
+
+
+def _check(skipped: dict[types.CodeType, str], current: types.CodeType | None, *, device_type: str, dtype: torch.dtype, cache_enabled: bool) -> None:
+    """Replay the compiled call under eager autocast and as the compiled model runs it, once per
+    ``skipped`` code (its name) and model; raise or warn on what the skipped code changes."""
     entry = _compile_entry()
     if entry is None:
         warnings.warn(
-            f"dynamo runs {_names(frames)} eagerly, outside its graphs, which outside torch.autocast runs in fp32; "
-            "graphamp could not find the compiled call to check what that changes.",
+            f"dynamo runs {', '.join(dict.fromkeys(skipped.values()))} eagerly, outside its graphs, which outside "
+            "torch.autocast runs in fp32; graphamp could not find the compiled call to check what that changes.",
             CheckSkippedWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
         return
     fn, args, kwargs = entry
@@ -114,22 +139,23 @@ def check_skipped_code(current: Frame | None, *, device_type: str, dtype: torch.
         checked = _checked.setdefault(key, set())
     except TypeError:  # not weakly referable: checked on every compile
         checked = set()
-    new = [f for f in frames if f.f_code not in checked]
+    new = [c for c in skipped if c not in checked]
     if not new:
         return
-    checked.update(f.f_code for f in new)
+    checked.update(new)
+    names = ", ".join(dict.fromkeys(skipped[c] for c in new))
     modules = [m for m in (fn, getattr(fn, "__self__", None)) if isinstance(m, nn.Module)]
     frame = Frame(fn, args, kwargs)
     want = _replay(frame, modules, None, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
     if isinstance(want, BaseException):
         return  # eager autocast itself cannot run the call here: nothing to compare with
-    mode = _AsCompiled(code, device_type, dtype, cache_enabled)
+    mode = _AsCompiled(current, device_type, dtype, cache_enabled)
     got = _replay(frame, modules, mode, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
     way_out = (
         f"Way out: call the compiled model inside torch.autocast({device_type!r}, dtype={dtype}) (graphamp's casts stay "
         "the only ones applied), or remove the graph break (torch._dynamo.explain names it)."
     )
-    where = (f"dynamo runs {_names(new)} eagerly, outside its graphs (a graph break in a loop, or one it cannot "
+    where = (f"dynamo runs {names} eagerly, outside its graphs (a graph break in a loop, or one it cannot "
              "resume from). Called outside torch.autocast, that code runs its ops without autocast, in fp32")
     if isinstance(got, BaseException):
         first = next((line.strip() for line in str(got).splitlines() if line.strip()), "")
@@ -143,7 +169,7 @@ def check_skipped_code(current: Frame | None, *, device_type: str, dtype: torch.
             f"{where}, where eager autocast runs {mode.changed} in {dtype}. The compiled model's "
             f"{'; '.join(differs[:4])}. {way_out}",
             EagerPathWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
 
@@ -230,6 +256,15 @@ def _skipped(code: types.CodeType, current: types.CodeType | None) -> bool:
 def _eager_regions(current: types.CodeType | None) -> dict[types.CodeType, list[tuple[int, bool]]]:
     """For each function dynamo resumed after a graph break: (the line each resumed part starts at,
     whether dynamo runs that part eagerly), by line."""
+    return {
+        origin: sorted((line, _skipped(code, current)) for line, code in parts)
+        for origin, parts in _resumed_parts().items()
+    }
+
+
+def _resumed_parts() -> dict[types.CodeType, list[tuple[int, types.CodeType]]]:
+    """For each function dynamo resumed after a graph break: (the line it resumes at, the resume
+    function's code), by line."""
     try:
         from torch._dynamo.resume_execution import ContinueExecutionCache
     except ImportError:  # private to torch
@@ -240,12 +275,12 @@ def _eager_regions(current: types.CodeType | None) -> dict[types.CodeType, list[
         origin = ref()
         for code in (cache.values.get(idx) or {}).values() if origin is not None else ():
             parent[code] = origin
-    regions: dict[types.CodeType, list[tuple[int, bool]]] = {}
+    parts: dict[types.CodeType, list[tuple[int, types.CodeType]]] = {}
     for code, origin in parent.items():
         while origin in parent:
             origin = parent[origin]
-        regions.setdefault(origin, []).append((code.co_firstlineno, _skipped(code, current)))
-    return {code: sorted(starts) for code, starts in regions.items()}
+        parts.setdefault(origin, []).append((code.co_firstlineno, code))
+    return {origin: sorted(found, key=lambda part: part[0]) for origin, found in parts.items()}
 
 
 def _model_caller(f: types.FrameType | None) -> types.FrameType | None:
@@ -278,18 +313,12 @@ def _differences(got: Any, want: Any) -> list[str]:
     return found
 
 
-def _names(frames: list[types.FrameType]) -> str:
-    return ", ".join(dict.fromkeys(_name(f) for f in frames))
-
-
-def _name(f: types.FrameType) -> str:
-    code = f.f_code
+def _name(code: types.CodeType, owner: Any) -> str:
+    """``Owner.function (file from line N)``: the function a (resume) code runs, on ``owner``'s type."""
     name = code.co_name
     start = ""
     if name.startswith("torch_dynamo_resume_in_"):
         base, _, line = name[len("torch_dynamo_resume_in_"):].rpartition("_at_")
         name, start = base, f" from line {line}"
-    owner = f.f_locals.get("self")
     qual = f"{type(owner).__name__}.{name}" if owner is not None and not isinstance(owner, type) else name
     return f"{qual} ({os.path.basename(code.co_filename)}{start})"
-
