@@ -10,6 +10,7 @@ autocast, outputs and gradients, on the example and on inputs that take the othe
 from __future__ import annotations
 
 import io
+import operator
 
 import pytest
 import torch
@@ -150,6 +151,66 @@ def test_a_data_dependent_size_is_guarded() -> None:
     other[1, 0] = 5.0  # three rows picked where the example picked two
     assert_exact(model, amp, (other,), {}, torch.bfloat16)
     assert len(amp.__dict__[_VARIANTS]) == 1
+
+
+class PicksRows(nn.Module):
+    """Rows picked by a value-sized op torch does not tag dynamic_output_shape; the reshape reads
+    the picked count, which the capture on values writes into the graph as the example's."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        keep = x[:, 0] > 0
+        if self.how == "nonzero_as_tuple":
+            (rows,) = keep.nonzero(as_tuple=True)
+        elif self.how == "where":
+            (rows,) = torch.where(keep)
+        else:
+            rows = torch.arange(x.shape[0]).repeat_interleave(keep.long())
+        picked = h[rows]
+        return picked.reshape(picked.shape[0], -1).softmax(-1)
+
+
+@pytest.mark.parametrize("how", ["nonzero_as_tuple", "where", "repeat_interleave"])
+def test_a_size_from_an_untagged_value_sized_op_is_guarded(how: str) -> None:
+    # transformers' Longformer: global attention indices from mask.nonzero(as_tuple=True); a
+    # padded mask changed their count, and the graph failed on the example's size.
+    from graphamp.capture.values import VALUE_SIZED_UNTAGGED
+
+    model = PicksRows(how)
+    x = torch.tensor([[1.0, 2, 3, 4], [-1, 0, 1, 2], [2, 1, 0, -1]])
+    amp = _by_values(model, (x,))
+    assert amp.graphamp_info.capture == "values"
+    sized = [n for n in amp.graph.nodes if n.target in VALUE_SIZED_UNTAGGED]
+    assert sized and all(any(u.target is guard_size for u in _users_through_getitem(n)) for n in sized), amp.graph
+    other = x.clone()
+    other[1, 0] = 5.0  # three rows picked where the example picked two
+    assert_exact(model, amp, (other,), {}, torch.bfloat16)
+    assert len(amp.__dict__[_VARIANTS]) == 1
+
+
+def test_the_untagged_value_sized_ops_are_untagged_and_value_sized() -> None:
+    # What the list claims, on the installed torch (a torch that tags them makes it redundant, not wrong).
+    from graphamp.capture.values import VALUE_SIZED_UNTAGGED
+
+    keep = [torch.tensor([True, False, True]), torch.tensor([True, True, True])]
+    sizes = {
+        torch.ops.aten.nonzero_numpy.default: lambda k: torch.ops.aten.nonzero_numpy.default(k)[0].shape,
+        torch.ops.aten.where.default: lambda k: torch.ops.aten.where.default(k)[0].shape,
+        torch.ops.aten.repeat_interleave.self_Tensor: lambda k: torch.ops.aten.repeat_interleave.self_Tensor(torch.arange(3), k.long()).shape,
+    }
+    assert set(sizes) == VALUE_SIZED_UNTAGGED
+    for op, size in sizes.items():
+        assert size(keep[0]) != size(keep[1]), op
+
+
+def _users_through_getitem(node: torch.fx.Node) -> list[torch.fx.Node]:
+    users = list(node.users)
+    return users + [u2 for u in users if u.target is operator.getitem for u2 in u.users]
 
 
 class DropoutThenRead(nn.Module):

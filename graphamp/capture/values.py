@@ -272,15 +272,30 @@ def _unguarded(node: Node) -> CaptureError:
     )
 
 
+# Ops whose output size depends on values that torch does not tag ``dynamic_output_shape``: the
+# composite forms the capture records at pre-dispatch (``t.nonzero(as_tuple=True)``, one-argument
+# ``torch.where``, ``t.repeat_interleave(repeats_tensor)``).
+VALUE_SIZED_UNTAGGED = frozenset({
+    torch.ops.aten.nonzero_numpy.default,
+    torch.ops.aten.where.default,
+    torch.ops.aten.repeat_interleave.self_Tensor,
+})
+
+
+def _value_sized(node: Node) -> bool:
+    """Whether ``node``'s output size depends on the values of its inputs."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    tagged = torch.Tag.dynamic_output_shape in target.tags and not _integer_indexing(node)
+    return tagged or target in VALUE_SIZED_UNTAGGED
+
+
 def _guard_sizes(gm: GraphModule) -> None:
     """After each op whose output size depends on values, a guard that it is the example's."""
     graph = gm.graph
     for node in list(graph.nodes):
-        target = node.target
-        if (
-            node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and torch.Tag.dynamic_output_shape in target.tags and not _integer_indexing(node)
-        ):
+        if _value_sized(node):
             for i, val in enumerate(pytree.tree_leaves(node.meta.get("val"))):
                 if not isinstance(val, torch.Tensor):
                     continue
