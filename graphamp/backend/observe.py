@@ -40,8 +40,8 @@ from graphamp.probe import SdpaCall, eager_sdpa_calls
 from graphamp.spec import ambient_autocast, autocast_off
 
 __all__ = [
-    "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "handover_error", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "dtype_limits",
-    "frame_name", "observe_eager_frame", "returned_outputs", "under_dynamo",
+    "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "fake_float_dtypes", "handover_error", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "dtype_limits",
+    "frame_name", "observe_eager_frame", "returned_outputs", "run_frame", "under_dynamo",
 ]
 
 
@@ -350,18 +350,28 @@ def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cach
     """Run the frame's code eagerly once, without grad, under autocast to ``dtype`` (None: without
     autocast), buffers, Python caches and random state restored after and the seed fixed; None
     if it cannot run here."""
-    call = _EagerCall(frame.fn, _modules_reached(frame))
-    _clear_method_caches(call)
     recorder = _RecordDtypeCalls(device_type if dtype is not None else None)
     region = ambient_autocast(device_type, dtype, cache_enabled=cache_enabled) if dtype is not None else contextlib.nullcontext()
     try:
-        args, kwargs = _fresh_arguments(frame)
-        with state_restored(call, seed=0), torch.no_grad(), region, recorder:
-            result = call(*args, **kwargs)
+        result = run_frame(frame, region, recorder)
     except Exception:  # advisory, as the attention probe: code that cannot run here is not judged
         return None
     off = frozenset(recorder.sites[False] - recorder.sites[True] - {""})
     return EagerRun(recorder.calls, result, off)
+
+
+def run_frame(frame: Frame, *regions: contextlib.AbstractContextManager, modules: list[nn.Module] | None = None) -> Any:
+    """The frame's result, its code run eagerly once without grad inside ``regions`` (entered in
+    order); buffers, Python caches and random state restored after, the seed fixed. Raises what the
+    code raises. ``modules``: the modules the code reaches (default: those among the frame's
+    arguments and closure), whose buffers are restored."""
+    call = _EagerCall(frame.fn, _modules_reached(frame) if modules is None else modules)
+    _clear_method_caches(call)
+    args, kwargs = _fresh_arguments(frame)
+    with state_restored(call, seed=0), torch.no_grad(), contextlib.ExitStack() as stack:
+        for region in regions:
+            stack.enter_context(region)
+        return call(*args, **kwargs)
 
 
 def handover_error(
@@ -382,14 +392,9 @@ def handover_error(
     """
     if sys.gettrace() is not None:
         return None
-    call = _EagerCall(frame.fn, _modules_reached(frame))
-    _clear_method_caches(call)
-    args, kwargs = _fresh_arguments(frame)
     watch = _LikeDynamoAfter(site, device_type)
     try:
-        with state_restored(call, seed=0), torch.no_grad(), ambient_autocast(device_type, dtype, cache_enabled=cache_enabled):
-            with watch:
-                call(*args, **kwargs)
+        run_frame(frame, ambient_autocast(device_type, dtype, cache_enabled=cache_enabled), watch)
     except _MixedDtypes as e:
         return e.__cause__ if isinstance(e.__cause__, Exception) else e
     except _Diverged:  # the run left dynamo's trace: nothing to say
@@ -454,9 +459,7 @@ class _LikeDynamoAfter(TorchFunctionMode):
         """The floating dtypes the call returns on fake tensors; None where fake propagation cannot
         say (an op it does not run, a value it cannot know). Raises :class:`_MixedDtypes`."""
         try:
-            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, self.fake.from_tensor, (args, kwargs))
-            with self.fake:
-                return _float_dtypes(func(*fake_args, **fake_kwargs))
+            return fake_float_dtypes(self.fake, func, args, kwargs)
         except Exception as e:
             if type(e) is RuntimeError and self._one_dtype_passes(func, args, kwargs):
                 raise _MixedDtypes from e
@@ -468,13 +471,19 @@ class _LikeDynamoAfter(TorchFunctionMode):
             return False
         common = torch.float32 if torch.float32 in floating else next(iter(floating))
         try:
-            cast = pytree.tree_map_only(torch.Tensor, lambda t: (t.to(common) if t.is_floating_point() else t), (args, kwargs))
-            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, self.fake.from_tensor, cast)
-            with self.fake:
-                func(*fake_args, **fake_kwargs)
+            cast_args, cast_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: (t.to(common) if t.is_floating_point() else t), (args, kwargs))
+            fake_float_dtypes(self.fake, func, cast_args, cast_kwargs)
         except Exception:
             return False
         return True
+
+
+def fake_float_dtypes(fake: FakeTensorMode, func: Any, args: tuple, kwargs: dict) -> list[torch.dtype]:
+    """The floating dtypes ``func`` returns on fake copies of its tensors, in ``fake``; raises what
+    fake propagation raises."""
+    fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, fake.from_tensor, (args, kwargs))
+    with fake:
+        return _float_dtypes(func(*fake_args, **fake_kwargs))
 
 
 def _float_dtypes(value: Any) -> list[torch.dtype]:

@@ -36,8 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from graphamp.backend.eager_check import output_difference
-from graphamp.backend.observe import Frame, _clear_method_caches, _EagerCall, _float_dtypes, _fresh_arguments
-from graphamp.eager import state_restored
+from graphamp.backend.observe import Frame, fake_float_dtypes, run_frame
 from graphamp.errors import CheckSkippedWarning, EagerPathWarning, GraphBreakError
 from graphamp.spec import ambient_autocast, autocast_off
 
@@ -176,16 +175,10 @@ def _check(skipped: dict[types.CodeType, str], current: types.CodeType | None, *
 def _replay(frame: Frame, modules: list[nn.Module], mode: _AsCompiled | None, *, device_type: str, dtype: torch.dtype, cache_enabled: bool) -> Any:
     """The compiled call's result run eagerly: under autocast (``mode`` None), else as ``mode`` runs
     it; the exception where it fails. Without grad, the model's state and random state restored."""
-    call = _EagerCall(frame.fn, modules)
-    _clear_method_caches(call)
     try:
-        args, kwargs = _fresh_arguments(frame)
-        with state_restored(call, seed=0), torch.no_grad():
-            if mode is None:
-                with ambient_autocast(device_type, dtype, cache_enabled=cache_enabled):
-                    return call(*args, **kwargs)
-            with autocast_off((device_type,)), mode:
-                return call(*args, **kwargs)
+        if mode is None:
+            return run_frame(frame, ambient_autocast(device_type, dtype, cache_enabled=cache_enabled), modules=modules)
+        return run_frame(frame, autocast_off((device_type,)), mode, modules=modules)
     except Exception as e:
         return e
 
@@ -237,11 +230,9 @@ class _AsCompiled(TorchFunctionMode):
 
     def _autocast_changes(self, func: Any, args: tuple, kwargs: dict) -> bool:
         try:
-            fake = pytree.tree_map_only(torch.Tensor, self.fake.from_tensor, (args, kwargs))
-            with self.fake:
-                off = _float_dtypes(func(*fake[0], **fake[1]))
-                with ambient_autocast(self.device_type, self.dtype):
-                    on = _float_dtypes(func(*fake[0], **fake[1]))
+            off = fake_float_dtypes(self.fake, func, args, kwargs)
+            with ambient_autocast(self.device_type, self.dtype):
+                on = fake_float_dtypes(self.fake, func, args, kwargs)
         except Exception:  # fake propagation cannot say
             return False
         return off != on
