@@ -162,6 +162,12 @@ CITED = (
           "--checks batch,backend,backend_autocast --jobs 1 "
           "--timeout 900 --out benchmarks/results/census-337026d-recheck.jsonl (hf/deimv2, past 900 s, again with "
           "--timeout 2700 into another file, then --merge)"),
+    Cited("census-2110921-recheck.jsonl", "The census's later silent findings, checked again at a later commit", "2110921",
+          "The models whose checks failed silently in the census above after the first re-check, run again at a "
+          "later graphamp commit on the same machine: the silent check (`inputs`), with batch and the backend "
+          "outside and inside `torch.autocast`. As above, the census table stays what it measured at its own commit.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/longformer$' --checks inputs,batch,backend,backend_autocast "
+          "--jobs 1 --timeout 900 --out benchmarks/results/census-2110921-recheck.jsonl"),
 )
 
 # README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
