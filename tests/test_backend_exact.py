@@ -536,6 +536,51 @@ def test_a_hand_over_the_code_after_a_break_takes_is_checked_and_runs(monkeypatc
     assert torch.equal(out, ref) and out.dtype == ref.dtype
 
 
+class ConvAfterABreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        x = x * 2
+        torch._dynamo.graph_break()
+        return self.conv(x)  # traced without autocast: a bf16 input and an fp32 bias fail
+
+
+class ConvLayers(nn.Module):
+    """transformers' Mimi: a loop over layers that break; each layer's graph returns bf16 to the loop
+    (dynamo traced fp32), which calls the next layer with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ConvAfterABreak() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_frame_called_with_what_an_earlier_graph_returned_raises_typed(dtype):
+    model, x = ConvLayers().eval(), torch.randn(2, 4, 8)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", EagerPathWarning)
+        with pytest.raises(BackendCompilerFailed) as raised:
+            compiled(model, dtype)(x)
+    error = raised.value.inner_exception
+    assert isinstance(error, GraphBreakError), repr(error)
+    message = str(error)
+    assert "dynamo broke ConvAfterABreak.forward into several graphs" in message, message
+    assert f"(argument 'x' in {dtype})" in message and "bias type (float)" in message, message
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        warnings.simplefilter("ignore", EagerPathWarning)
+        out = compiled(model, dtype)(x)
+        ref = model(x)
+    assert torch.equal(out, ref) and out.dtype == ref.dtype
+
+
 _SEEN = []  # the frame's arguments are copied for the run: a global sees what it did
 
 
