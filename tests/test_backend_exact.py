@@ -536,6 +536,35 @@ def test_a_hand_over_the_code_after_a_break_takes_is_checked_and_runs(monkeypatc
     assert torch.equal(out, ref) and out.dtype == ref.dtype
 
 
+class LinearBeforeTheFailingCall(nn.Module):
+    """After the break, a linear on the bf16 hand-over that fake propagation takes and a real run
+    without autocast refuses (graphamp's rewrite casts it), then the call dynamo's trace refuses
+    (transformers' Nemotron ASR streaming encoder: a feed-forward, then an attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin1(x)
+        q = x * 2
+        torch._dynamo.graph_break()
+        g = self.lin2(h)
+        return q @ h.transpose(-1, -2), g
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_hand_over_run_goes_past_a_call_only_the_real_run_refuses(dtype):
+    model, x = LinearBeforeTheFailingCall().eval(), torch.randn(2, 4, 16)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", EagerPathWarning)
+        with pytest.raises(BackendCompilerFailed) as raised:
+            compiled(model, dtype)(x)
+    error = raised.value.inner_exception
+    assert isinstance(error, GraphBreakError), repr(error)
+    assert "expected scalar type" in str(error) or "same dtype" in str(error), str(error)
+
+
 class ConvAfterABreak(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -385,14 +385,16 @@ def handover_error(
     the line on, each call also runs on fake tensors, as dynamo's trace propagates it, and the first
     that fake propagation refuses because its tensors have two floating dtypes (it passes with them
     cast to one) is the answer, as is an error the model's Python raises from the line on (it runs
-    in dynamo's trace too). The run stops, answering None, where a call runs otherwise than
-    fake propagation says (it fails, or returns another dtype: a later graph holds it, rewritten by
-    graphamp), and where it cannot watch lines (a debugger or tracer holds ``sys.settrace``).
+    in dynamo's trace too). A call fake propagation takes but the real run refuses (a linear on a
+    bf16 input and fp32 weights) runs as graphamp's rewrite of the later graph runs it, under
+    autocast, its result carried on in the dtypes fake propagation gives. The run stops, answering
+    None, where a call runs otherwise than fake propagation says (it fails both ways, or returns
+    another dtype), and where it cannot watch lines (a debugger or tracer holds ``sys.settrace``).
     Without grad, buffers, Python caches and random state restored after, as :func:`eager_run`.
     """
     if sys.gettrace() is not None:
         return None
-    watch = _LikeDynamoAfter(site, device_type)
+    watch = _LikeDynamoAfter(site, device_type, dtype, cache_enabled)
     try:
         run_frame(frame, ambient_autocast(device_type, dtype, cache_enabled=cache_enabled), watch)
     except _MixedDtypes as e:
@@ -418,10 +420,10 @@ class _LikeDynamoAfter(TorchFunctionMode):
     """From the first time the line ``site`` runs: ``device_type``'s autocast off (the enclosing
     region restores it), and each call checked on fake tensors before it runs."""
 
-    def __init__(self, site: tuple[str, int], device_type: str) -> None:
+    def __init__(self, site: tuple[str, int], device_type: str, dtype: torch.dtype, cache_enabled: bool = True) -> None:
         super().__init__()
         self.filename, self.lineno = site
-        self.device_type = device_type
+        self.device_type, self.dtype, self.cache_enabled = device_type, dtype, cache_enabled
         self.reached = False
         self.fake = FakeTensorMode()
 
@@ -450,7 +452,16 @@ class _LikeDynamoAfter(TorchFunctionMode):
         try:
             out = func(*args, **kwargs)
         except Exception as e:
-            raise _Diverged from e
+            if expected is None:
+                raise _Diverged from e
+            # Fake propagation takes it (a linear on a bf16 input and fp32 weights), so dynamo's
+            # trace goes on: the value in autocast's dtypes, as graphamp's rewrite runs it, carried
+            # on in the dtype dynamo's trace gives it.
+            try:
+                with ambient_autocast(self.device_type, self.dtype, cache_enabled=self.cache_enabled):
+                    out = _as_dtypes(func(*args, **kwargs), expected)
+            except Exception as again:
+                raise _Diverged from again
         if expected is not None and _float_dtypes(out) != expected:
             raise _Diverged
         return out
@@ -484,6 +495,14 @@ def fake_float_dtypes(fake: FakeTensorMode, func: Any, args: tuple, kwargs: dict
     fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, fake.from_tensor, (args, kwargs))
     with fake:
         return _float_dtypes(func(*fake_args, **fake_kwargs))
+
+
+def _as_dtypes(value: Any, dtypes: list[torch.dtype]) -> Any:
+    """``value`` with its floating tensors cast to ``dtypes``, in order (as many as there are)."""
+    leaves, spec = pytree.tree_flatten(value)
+    wanted = iter(dtypes)
+    cast = [t.to(next(wanted, t.dtype)) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
+    return pytree.tree_unflatten(cast, spec)
 
 
 def _float_dtypes(value: Any) -> list[torch.dtype]:
