@@ -162,12 +162,18 @@ CITED = (
           "--checks batch,backend,backend_autocast --jobs 1 "
           "--timeout 900 --out benchmarks/results/census-337026d-recheck.jsonl (hf/deimv2, past 900 s, again with "
           "--timeout 2700 into another file, then --merge)"),
-    Cited("census-2110921-recheck.jsonl", "The census's later silent findings, checked again at a later commit", "2110921",
+    Cited("census-c1034ff-recheck.jsonl", "The census's later silent findings, checked again at a later commit", "c1034ff",
           "The models whose checks failed silently in the census above after the first re-check, run again at a "
-          "later graphamp commit on the same machine: the silent check (`inputs`), with batch and the backend "
-          "outside and inside `torch.autocast`. As above, the census table stays what it measured at its own commit.",
-          ".venv/bin/python benchmarks/census.py --only '^hf/longformer$' --checks inputs,batch,backend,backend_autocast "
-          "--jobs 1 --timeout 900 --out benchmarks/results/census-2110921-recheck.jsonl"),
+          "later graphamp commit on the same machine: other inputs after conversion (`inputs`), batch, and the "
+          "backend outside and inside `torch.autocast`. As above, the census table stays what it measured at its "
+          "own commit.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/(longformer|mimi|mimi_encoder|muse_glimmer_vision|"
+          "muse_spark_vision|nemotron_asr_streaming_encoder)$' --checks inputs,batch,backend,backend_autocast "
+          "--jobs 1 --timeout 900 --out benchmarks/results/census-c1034ff-recheck.jsonl"),
+    Cited("census-20d6380-recheck.jsonl", "A silent finding left at c1034ff, checked again after its fix", "20d6380",
+          "The one model still silent in the re-check above, run again after its fix, with the same checks.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/nemotron_asr_streaming_encoder$' --checks "
+          "inputs,batch,backend,backend_autocast --jobs 1 --timeout 900 --out benchmarks/results/census-20d6380-recheck.jsonl"),
 )
 
 # README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
