@@ -536,6 +536,17 @@ def test_a_hand_over_the_code_after_a_break_takes_is_checked_and_runs(monkeypatc
     assert torch.equal(out, ref) and out.dtype == ref.dtype
 
 
+def graph_break_error(model, x, dtype):
+    """The GraphBreakError the backend raises compiling ``model`` on ``x`` without grad (fails otherwise)."""
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", EagerPathWarning)
+        with pytest.raises(BackendCompilerFailed) as raised:
+            compiled(model, dtype)(x)
+    error = raised.value.inner_exception
+    assert isinstance(error, GraphBreakError), repr(error)
+    return error
+
+
 class LinearBeforeTheFailingCall(nn.Module):
     """After the break, a linear on the bf16 hand-over that fake propagation takes and a real run
     without autocast refuses (graphamp's rewrite casts it), then the call dynamo's trace refuses
@@ -556,12 +567,7 @@ class LinearBeforeTheFailingCall(nn.Module):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_hand_over_run_goes_past_a_call_only_the_real_run_refuses(dtype):
     model, x = LinearBeforeTheFailingCall().eval(), torch.randn(2, 4, 16)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore", EagerPathWarning)
-        with pytest.raises(BackendCompilerFailed) as raised:
-            compiled(model, dtype)(x)
-    error = raised.value.inner_exception
-    assert isinstance(error, GraphBreakError), repr(error)
+    error = graph_break_error(model, x, dtype)
     assert "expected scalar type" in str(error) or "same dtype" in str(error), str(error)
 
 
@@ -593,12 +599,7 @@ class ConvLayers(nn.Module):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_frame_called_with_what_an_earlier_graph_returned_raises_typed(dtype):
     model, x = ConvLayers().eval(), torch.randn(2, 4, 8)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore", EagerPathWarning)
-        with pytest.raises(BackendCompilerFailed) as raised:
-            compiled(model, dtype)(x)
-    error = raised.value.inner_exception
-    assert isinstance(error, GraphBreakError), repr(error)
+    error = graph_break_error(model, x, dtype)
     message = str(error)
     assert "dynamo broke ConvAfterABreak.forward into several graphs" in message, message
     assert f"(argument 'x' in {dtype})" in message and "bias type (float)" in message, message
