@@ -611,6 +611,49 @@ def test_a_frame_called_with_what_an_earlier_graph_returned_raises_typed(dtype):
     assert torch.equal(out, ref) and out.dtype == ref.dtype
 
 
+def _breaks(x):
+    torch._dynamo.graph_break()
+    return x
+
+
+class ProjectThenBreakBelow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.lin = nn.Conv2d(4, 4, 1), nn.Linear(8, 8)
+
+    def forward(self, features):
+        y = self.proj(features)  # traced as a new frame without autocast: bf16 features, fp32 bias
+        return self.lin(_breaks(y))
+
+
+class BackboneThenDecoder(nn.Module):
+    """transformers' OneFormer: the pixel decoder, called with the backbone's features, breaks in a
+    helper below it; dynamo ends the outer graph before the call (its bf16 features handed over) and
+    traces the decoder as a new frame from its first line, projections included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone, self.decoder = nn.Conv2d(3, 4, 1), ProjectThenBreakBelow()
+
+    def forward(self, x):
+        return self.decoder(self.backbone(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_break_below_a_call_hands_over_before_the_call(dtype):
+    model, x = BackboneThenDecoder().eval(), torch.randn(2, 3, 8, 8)
+    error = graph_break_error(model, x, dtype)
+    message = str(error)
+    assert "dynamo broke BackboneThenDecoder.forward into several graphs" in message, message
+    assert "so its graph ends before the call on" in message and "bias type (float)" in message, message
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        warnings.simplefilter("ignore", EagerPathWarning)
+        out = compiled(model, dtype)(x)
+        ref = model(x)
+    assert torch.equal(out, ref) and out.dtype == ref.dtype
+
+
 _SEEN = []  # the frame's arguments are copied for the run: a global sees what it did
 
 
@@ -639,7 +682,7 @@ def test_handover_run_switches_autocast_off_at_the_line_and_restores_the_process
     site = (__file__, fn.__code__.co_firstlineno + 2)
     _SEEN.clear()
     before = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), sys.gettrace())
-    error = observe.handover_error(observe.Frame(fn, (torch.randn(4, 4),), {}), site, device_type="cpu", dtype=torch.bfloat16)
+    error = graphamp.backend.handover.handover_error(observe.Frame(fn, (torch.randn(4, 4),), {}), site, device_type="cpu", dtype=torch.bfloat16)
     assert _SEEN == [False]
     assert (isinstance(error, RuntimeError) and "bfloat16" in str(error).lower()) if fails else error is None, error
     assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), sys.gettrace()) == before
@@ -654,7 +697,7 @@ def test_handover_run_leaves_a_tracer_alone():
     try:
         site = (__file__, _mixes_after_the_line.__code__.co_firstlineno + 2)
         frame = observe.Frame(_mixes_after_the_line, (torch.randn(4, 4),), {})
-        assert observe.handover_error(frame, site, device_type="cpu", dtype=torch.bfloat16) is None
+        assert graphamp.backend.handover.handover_error(frame, site, device_type="cpu", dtype=torch.bfloat16) is None
         assert sys.gettrace() is tracer
     finally:
         sys.settrace(previous)

@@ -27,7 +27,7 @@ from torch.fx.node import map_aggregate
 from graphamp.backend.observe import DtypeCall, EagerRun, Frame, call_name, node_call_site, dtype_calls, dtype_constants, dtype_limits, frame_name
 from graphamp.errors import EagerPathWarning
 
-__all__ = ["follow_eager_dtypes", "graph_break_line", "graph_break_site", "graph_dtype_calls", "align"]
+__all__ = ["follow_eager_dtypes", "graph_break_resume", "graph_break_site", "graph_dtype_calls", "align"]
 
 
 def graph_dtype_calls(gm: GraphModule) -> list[tuple[Node, DtypeCall]]:
@@ -142,17 +142,26 @@ def graph_break_site(gm: GraphModule) -> str | None:
     return f"{where} ({why})"
 
 
-def graph_break_line(gm: GraphModule) -> tuple[str, int] | None:
-    """The file and line of the user's code where dynamo broke off the graph ``gm``; None where the
-    graph ends at the frame's return or dynamo recorded no line."""
-    at = _break_frame(gm) if _ends_at_graph_break(gm) else None
-    return (at.filename, at.lineno) if at is not None else None
+def graph_break_resume(gm: GraphModule) -> traceback.FrameSummary | None:
+    """Where the frame's code after the break dynamo broke off the graph ``gm`` begins (file, line
+    and, where recorded, the columns of the instruction); None where the graph ends at the frame's
+    return or dynamo recorded no line.
+
+    A break inside a function the frame calls ends the graph before that call, in the frame itself:
+    the call runs as a new frame, traced from its first line (OneFormer's pixel decoder, called with
+    the backbone's bf16 features, breaks in a helper far below). So the line is the frame's own, the
+    outermost of the user's stack, unless dynamo resumes inside nested calls
+    (``torch._dynamo.config.nested_graph_breaks``)."""
+    if not _ends_at_graph_break(gm):
+        return None
+    nested = bool(getattr(torch._dynamo.config, "nested_graph_breaks", False))
+    return _break_frame(gm) if nested else _break_frame(gm, outermost=True)
 
 
-def _break_frame(gm: GraphModule) -> traceback.FrameSummary | None:
-    """The innermost frame of the user's stack dynamo recorded at the break, or None."""
+def _break_frame(gm: GraphModule, *, outermost: bool = False) -> traceback.FrameSummary | None:
+    """The innermost (or outermost) frame of the user's stack dynamo recorded at the break, or None."""
     stack = list(getattr(gm.compile_subgraph_reason, "user_stack", None) or ())
-    return stack[-1] if stack else None
+    return (stack[0] if outermost else stack[-1]) if stack else None
 
 
 def _describe(missed: list[DtypeCall], low: list[DtypeCall]) -> str:

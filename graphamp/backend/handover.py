@@ -14,17 +14,24 @@ and raises :class:`graphamp.GraphBreakError` instead, when that run fails.
 
 from __future__ import annotations
 
+import dis
 import inspect
+import sys
+import types
+from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from graphamp.backend.eager_dtypes import graph_break_line, graph_break_site
-from graphamp.backend.observe import Frame, frame_name, handover_error
+from graphamp.backend.eager_dtypes import graph_break_resume, graph_break_site
+from graphamp.backend.observe import Frame, fake_float_dtypes, float_dtypes, frame_name, run_frame
 from graphamp.errors import GraphBreakError
+from graphamp.spec import ambient_autocast
 
-__all__ = ["changed_handover", "check_handover"]
+__all__ = ["changed_handover", "check_handover", "handover_error"]
 
 
 def changed_handover(traced: GraphModule, rewritten: GraphModule) -> list[tuple[int, torch.dtype, torch.dtype]]:
@@ -41,14 +48,16 @@ def check_handover(
     the break gets values in autocast's dtypes (its rewrite hands over values in other dtypes than
     dynamo traced, or the frame was called with low-precision tensors an earlier graph returned) and
     fails on them."""
-    line = graph_break_line(traced)
-    if frame is None or line is None:
+    at = graph_break_resume(traced)
+    if frame is None or at is None:
         return
+    line = (at.filename, at.lineno)
     changed = changed_handover(traced, rewritten)
     low = _low_precision_arguments(frame)
     if not changed and not low:
         return
-    error = handover_error(frame, line, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
+    columns = (at.colno, at.end_colno) if getattr(at, "colno", None) is not None else None
+    error = handover_error(frame, line, columns=columns, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
     if error is None:
         return
     first = next((text.strip() for text in str(error).splitlines() if text.strip()), "")
@@ -56,9 +65,12 @@ def check_handover(
         [f"output {i} in {b} (traced as {a})" for i, a, b in changed[:3]]
         + [f"argument {name!r} in {d}" for name, d in low[:3] if not changed]
     )
+    site = graph_break_site(traced)
+    if not (site or "").startswith(f"{line[0]}:{line[1]} "):  # a break below a call the frame makes
+        site = f"{site}, so its graph ends before the call on {line[0]}:{line[1]}"
     raise GraphBreakError(
-        f"dynamo broke {frame_name(frame)} into several graphs at {graph_break_site(traced)}. Called outside "
-        f"torch.autocast, the code after that line is traced and run without autocast, and it fails on the "
+        f"dynamo broke {frame_name(frame)} into several graphs at {site}. Called outside "
+        f"torch.autocast, the code from there on is traced and run without autocast, and it fails on the "
         f"values in autocast's dtypes it gets ({handed}): {type(error).__name__}: "
         f"{first[:300].rstrip('.')}. Way out: call the compiled model inside torch.autocast({device_type!r}, dtype={dtype}) "
         "(graphamp's casts stay the only ones applied), or remove the graph break (torch._dynamo.explain names it)."
@@ -81,3 +93,156 @@ def _output_dtypes(gm: GraphModule, key: str) -> list[torch.dtype | None]:
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = torch.fx.node.map_arg(output.args[0], lambda n: n.meta.get(key))
     return [getattr(v, "dtype", None) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(values)]
+
+
+def handover_error(
+    frame: Frame, site: tuple[str, int], *, columns: tuple[int, int] | None = None,
+    device_type: str, dtype: torch.dtype, cache_enabled: bool = True,
+) -> Exception | None:
+    """The error dynamo's trace of the code after a graph break on ``site`` (file, line) meets
+    outside autocast, where the graph before the break hands over autocast's dtypes; else None.
+
+    The frame's code runs eagerly as ``torch.compile`` runs it: autocast on up to the first time the
+    line runs (the graph's program), off from there (dynamo traces the rest without autocast); where
+    dynamo recorded the ``columns`` of the instruction it broke at, off from that instruction on the
+    line instead (``decoder(backbone(x))``: the backbone is in the graph, the decoder after it). From
+    the line on, each call also runs on fake tensors, as dynamo's trace propagates it, and the first
+    that fake propagation refuses because its tensors have two floating dtypes (it passes with them
+    cast to one) is the answer, as is an error the model's Python raises from the line on (it runs
+    in dynamo's trace too). A call fake propagation takes but the real run refuses (a linear on a
+    bf16 input and fp32 weights) runs as graphamp's rewrite of the later graph runs it, under
+    autocast, its result carried on in the dtypes fake propagation gives. The run stops, answering
+    None, where a call runs otherwise than fake propagation says (it fails both ways, or returns
+    another dtype), and where it cannot watch lines (a debugger or tracer holds ``sys.settrace``).
+    Without grad, buffers, Python caches and random state restored after, as :func:`eager_run`.
+    """
+    if sys.gettrace() is not None:
+        return None
+    watch = _LikeDynamoAfter(site, columns, device_type, dtype, cache_enabled)
+    try:
+        run_frame(frame, ambient_autocast(device_type, dtype, cache_enabled=cache_enabled), watch)
+    except _MixedDtypes as e:
+        return e.__cause__ if isinstance(e.__cause__, Exception) else e
+    except _Diverged:  # the run left dynamo's trace: nothing to say
+        return None
+    except Exception as e:
+        # Raised by the model's Python after the line (nn.LSTM's dtype check, which autocast
+        # skips): dynamo's trace runs that Python too. Before it, the frame cannot run here.
+        return e if watch.reached else None
+    return None
+
+
+class _MixedDtypes(Exception):
+    """Fake propagation refused a call for its tensors' two floating dtypes (the cause)."""
+
+
+class _Diverged(Exception):
+    """A call ran otherwise than fake propagation says: the run no longer follows dynamo's trace."""
+
+
+class _LikeDynamoAfter(TorchFunctionMode):
+    """From the first time the line ``site`` runs (the instruction at ``columns`` on it, where given):
+    ``device_type``'s autocast off (the enclosing region restores it), and each call checked on fake
+    tensors before it runs."""
+
+    def __init__(
+        self, site: tuple[str, int], columns: tuple[int, int] | None, device_type: str, dtype: torch.dtype, cache_enabled: bool = True,
+    ) -> None:
+        super().__init__()
+        self.filename, self.lineno = site
+        self.columns = columns
+        self.device_type, self.dtype, self.cache_enabled = device_type, dtype, cache_enabled
+        self.reached = False
+        self.fake = FakeTensorMode()
+        self._offsets: dict[types.CodeType, frozenset[int]] = {}
+
+    def __enter__(self) -> Any:
+        sys.settrace(self._on_call)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        sys.settrace(None)
+        return super().__exit__(*exc)
+
+    def _on_call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        if self.reached or frame.f_code.co_filename != self.filename:
+            return None
+        if self._break_offsets(frame.f_code):
+            frame.f_trace_opcodes = True
+        return self._on_event
+
+    def _on_event(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        offsets = self._break_offsets(frame.f_code)
+        if event == "opcode" and frame.f_lasti in offsets:
+            self._switch()
+        elif event == "line" and frame.f_lineno == self.lineno and not offsets:
+            self._switch()
+        return None if self.reached else self._on_event
+
+    def _break_offsets(self, code: types.CodeType) -> frozenset[int]:
+        """The offsets of ``code``'s instructions on the line whose columns are the break's (none
+        where no columns were recorded or none match: the line's start is the break)."""
+        if code not in self._offsets:
+            self._offsets[code] = frozenset(
+                i.offset for i in dis.get_instructions(code)
+                if self.columns is not None and i.positions is not None and i.positions.lineno is not None
+                and i.positions.lineno <= self.lineno <= (i.positions.end_lineno or i.positions.lineno)
+                and (i.positions.col_offset, i.positions.end_col_offset) == self.columns
+            )
+        return self._offsets[code]
+
+    def _switch(self) -> None:
+        self.reached = True
+        torch.set_autocast_enabled(self.device_type, False)
+
+    def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.reached:
+            return func(*args, **kwargs)
+        expected = self._fake_dtypes(func, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            if expected is None:
+                raise _Diverged from e
+            # Fake propagation takes it (a linear on a bf16 input and fp32 weights), so dynamo's
+            # trace goes on: the value in autocast's dtypes, as graphamp's rewrite runs it, carried
+            # on in the dtype dynamo's trace gives it.
+            try:
+                with ambient_autocast(self.device_type, self.dtype, cache_enabled=self.cache_enabled):
+                    out = _as_dtypes(func(*args, **kwargs), expected)
+            except Exception as again:
+                raise _Diverged from again
+        if expected is not None and float_dtypes(out) != expected:
+            raise _Diverged
+        return out
+
+    def _fake_dtypes(self, func: Any, args: tuple, kwargs: dict) -> list[torch.dtype] | None:
+        """The floating dtypes the call returns on fake tensors; None where fake propagation cannot
+        say (an op it does not run, a value it cannot know). Raises :class:`_MixedDtypes`."""
+        try:
+            return fake_float_dtypes(self.fake, func, args, kwargs)
+        except Exception as e:
+            if type(e) is RuntimeError and self._one_dtype_passes(func, args, kwargs):
+                raise _MixedDtypes from e
+            return None
+
+    def _one_dtype_passes(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        floating = {t.dtype for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        if len(floating) < 2:
+            return False
+        common = torch.float32 if torch.float32 in floating else next(iter(floating))
+        try:
+            cast_args, cast_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: (t.to(common) if t.is_floating_point() else t), (args, kwargs))
+            fake_float_dtypes(self.fake, func, cast_args, cast_kwargs)
+        except Exception:
+            return False
+        return True
+
+
+def _as_dtypes(value: Any, dtypes: list[torch.dtype]) -> Any:
+    """``value`` with its floating tensors cast to ``dtypes``, in order (as many as there are)."""
+    leaves, spec = pytree.tree_flatten(value)
+    wanted = iter(dtypes)
+    cast = [t.to(next(wanted, t.dtype)) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
+    return pytree.tree_unflatten(cast, spec)

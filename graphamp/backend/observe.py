@@ -40,7 +40,7 @@ from graphamp.probe import SdpaCall, eager_sdpa_calls
 from graphamp.spec import ambient_autocast, autocast_off
 
 __all__ = [
-    "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "fake_float_dtypes", "handover_error", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "dtype_limits",
+    "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "fake_float_dtypes", "float_dtypes", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "dtype_limits",
     "frame_name", "observe_eager_frame", "returned_outputs", "run_frame", "under_dynamo",
 ]
 
@@ -374,138 +374,16 @@ def run_frame(frame: Frame, *regions: contextlib.AbstractContextManager, modules
         return call(*args, **kwargs)
 
 
-def handover_error(
-    frame: Frame, site: tuple[str, int], *, device_type: str, dtype: torch.dtype, cache_enabled: bool = True,
-) -> Exception | None:
-    """The error dynamo's trace of the code after a graph break on ``site`` (file, line) meets
-    outside autocast, where the graph before the break hands over autocast's dtypes; else None.
-
-    The frame's code runs eagerly as ``torch.compile`` runs it: autocast on up to the first time the
-    line runs (the graph's program), off from there (dynamo traces the rest without autocast). From
-    the line on, each call also runs on fake tensors, as dynamo's trace propagates it, and the first
-    that fake propagation refuses because its tensors have two floating dtypes (it passes with them
-    cast to one) is the answer, as is an error the model's Python raises from the line on (it runs
-    in dynamo's trace too). A call fake propagation takes but the real run refuses (a linear on a
-    bf16 input and fp32 weights) runs as graphamp's rewrite of the later graph runs it, under
-    autocast, its result carried on in the dtypes fake propagation gives. The run stops, answering
-    None, where a call runs otherwise than fake propagation says (it fails both ways, or returns
-    another dtype), and where it cannot watch lines (a debugger or tracer holds ``sys.settrace``).
-    Without grad, buffers, Python caches and random state restored after, as :func:`eager_run`.
-    """
-    if sys.gettrace() is not None:
-        return None
-    watch = _LikeDynamoAfter(site, device_type, dtype, cache_enabled)
-    try:
-        run_frame(frame, ambient_autocast(device_type, dtype, cache_enabled=cache_enabled), watch)
-    except _MixedDtypes as e:
-        return e.__cause__ if isinstance(e.__cause__, Exception) else e
-    except _Diverged:  # the run left dynamo's trace: nothing to say
-        return None
-    except Exception as e:
-        # Raised by the model's Python after the line (nn.LSTM's dtype check, which autocast
-        # skips): dynamo's trace runs that Python too. Before it, the frame cannot run here.
-        return e if watch.reached else None
-    return None
-
-
-class _MixedDtypes(Exception):
-    """Fake propagation refused a call for its tensors' two floating dtypes (the cause)."""
-
-
-class _Diverged(Exception):
-    """A call ran otherwise than fake propagation says: the run no longer follows dynamo's trace."""
-
-
-class _LikeDynamoAfter(TorchFunctionMode):
-    """From the first time the line ``site`` runs: ``device_type``'s autocast off (the enclosing
-    region restores it), and each call checked on fake tensors before it runs."""
-
-    def __init__(self, site: tuple[str, int], device_type: str, dtype: torch.dtype, cache_enabled: bool = True) -> None:
-        super().__init__()
-        self.filename, self.lineno = site
-        self.device_type, self.dtype, self.cache_enabled = device_type, dtype, cache_enabled
-        self.reached = False
-        self.fake = FakeTensorMode()
-
-    def __enter__(self) -> Any:
-        sys.settrace(self._on_call)
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        sys.settrace(None)
-        return super().__exit__(*exc)
-
-    def _on_call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        return self._on_line if not self.reached and frame.f_code.co_filename == self.filename else None
-
-    def _on_line(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event == "line" and frame.f_lineno == self.lineno and not self.reached:
-            self.reached = True
-            torch.set_autocast_enabled(self.device_type, False)
-        return self._on_line if not self.reached else None
-
-    def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if not self.reached:
-            return func(*args, **kwargs)
-        expected = self._fake_dtypes(func, args, kwargs)
-        try:
-            out = func(*args, **kwargs)
-        except Exception as e:
-            if expected is None:
-                raise _Diverged from e
-            # Fake propagation takes it (a linear on a bf16 input and fp32 weights), so dynamo's
-            # trace goes on: the value in autocast's dtypes, as graphamp's rewrite runs it, carried
-            # on in the dtype dynamo's trace gives it.
-            try:
-                with ambient_autocast(self.device_type, self.dtype, cache_enabled=self.cache_enabled):
-                    out = _as_dtypes(func(*args, **kwargs), expected)
-            except Exception as again:
-                raise _Diverged from again
-        if expected is not None and _float_dtypes(out) != expected:
-            raise _Diverged
-        return out
-
-    def _fake_dtypes(self, func: Any, args: tuple, kwargs: dict) -> list[torch.dtype] | None:
-        """The floating dtypes the call returns on fake tensors; None where fake propagation cannot
-        say (an op it does not run, a value it cannot know). Raises :class:`_MixedDtypes`."""
-        try:
-            return fake_float_dtypes(self.fake, func, args, kwargs)
-        except Exception as e:
-            if type(e) is RuntimeError and self._one_dtype_passes(func, args, kwargs):
-                raise _MixedDtypes from e
-            return None
-
-    def _one_dtype_passes(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        floating = {t.dtype for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()}
-        if len(floating) < 2:
-            return False
-        common = torch.float32 if torch.float32 in floating else next(iter(floating))
-        try:
-            cast_args, cast_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: (t.to(common) if t.is_floating_point() else t), (args, kwargs))
-            fake_float_dtypes(self.fake, func, cast_args, cast_kwargs)
-        except Exception:
-            return False
-        return True
-
-
 def fake_float_dtypes(fake: FakeTensorMode, func: Any, args: tuple, kwargs: dict) -> list[torch.dtype]:
     """The floating dtypes ``func`` returns on fake copies of its tensors, in ``fake``; raises what
     fake propagation raises."""
     fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, fake.from_tensor, (args, kwargs))
     with fake:
-        return _float_dtypes(func(*fake_args, **fake_kwargs))
+        return float_dtypes(func(*fake_args, **fake_kwargs))
 
 
-def _as_dtypes(value: Any, dtypes: list[torch.dtype]) -> Any:
-    """``value`` with its floating tensors cast to ``dtypes``, in order (as many as there are)."""
-    leaves, spec = pytree.tree_flatten(value)
-    wanted = iter(dtypes)
-    cast = [t.to(next(wanted, t.dtype)) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
-    return pytree.tree_unflatten(cast, spec)
-
-
-def _float_dtypes(value: Any) -> list[torch.dtype]:
+def float_dtypes(value: Any) -> list[torch.dtype]:
+    """The dtypes of the floating tensors in ``value``, in pytree order."""
     return [t.dtype for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
