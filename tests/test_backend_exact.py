@@ -547,6 +547,16 @@ def graph_break_error(model, x, dtype):
     return error
 
 
+def assert_bitwise_inside_autocast(model, x, dtype):
+    """The way out: the compiled model called inside torch.autocast is bitwise to eager autocast."""
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        warnings.simplefilter("ignore", EagerPathWarning)
+        out = compiled(model, dtype)(x)
+        ref = model(x)
+    assert torch.equal(out, ref) and out.dtype == ref.dtype
+
+
 class LinearBeforeTheFailingCall(nn.Module):
     """After the break, a linear on the bf16 hand-over that fake propagation takes and a real run
     without autocast refuses (graphamp's rewrite casts it), then the call dynamo's trace refuses
@@ -603,12 +613,7 @@ def test_a_frame_called_with_what_an_earlier_graph_returned_raises_typed(dtype):
     message = str(error)
     assert "dynamo broke ConvAfterABreak.forward into several graphs" in message, message
     assert f"(argument 'x' in {dtype})" in message and "bias type (float)" in message, message
-    torch._dynamo.reset()
-    with warnings.catch_warnings(), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
-        warnings.simplefilter("ignore", EagerPathWarning)
-        out = compiled(model, dtype)(x)
-        ref = model(x)
-    assert torch.equal(out, ref) and out.dtype == ref.dtype
+    assert_bitwise_inside_autocast(model, x, dtype)
 
 
 def _breaks(x):
@@ -646,12 +651,7 @@ def test_a_break_below_a_call_hands_over_before_the_call(dtype):
     message = str(error)
     assert "dynamo broke BackboneThenDecoder.forward into several graphs" in message, message
     assert "so its graph ends before the call on" in message and "bias type (float)" in message, message
-    torch._dynamo.reset()
-    with warnings.catch_warnings(), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
-        warnings.simplefilter("ignore", EagerPathWarning)
-        out = compiled(model, dtype)(x)
-        ref = model(x)
-    assert torch.equal(out, ref) and out.dtype == ref.dtype
+    assert_bitwise_inside_autocast(model, x, dtype)
 
 
 _SEEN = []  # the frame's arguments are copied for the run: a global sees what it did
