@@ -174,6 +174,13 @@ CITED = (
           "The one model still silent in the re-check above, run again after its fix, with the same checks.",
           ".venv/bin/python benchmarks/census.py --only '^hf/nemotron_asr_streaming_encoder$' --checks "
           "inputs,batch,backend,backend_autocast --jobs 1 --timeout 900 --out benchmarks/results/census-20d6380-recheck.jsonl"),
+    Cited("census-c804c85-recheck.jsonl", "The census's latest silent findings, checked again at a later commit", "c804c85",
+          "The models whose checks failed or differed silently in the census above after the re-checks before, run "
+          "again at a later graphamp commit on the same machine, with the same checks.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/(oneformer|openai_privacy_filter|pe_audio|pe_audio_encoder)$' "
+          "--checks inputs,batch,backend,backend_autocast --jobs 1 --timeout 900 --out "
+          "benchmarks/results/census-c804c85-recheck.jsonl (hf/oneformer's backend_autocast, past 900 s, again with "
+          "--resume --rerun-slow 2700)"),
 )
 
 # README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
