@@ -181,6 +181,13 @@ CITED = (
           "--checks inputs,batch,backend,backend_autocast --jobs 1 --timeout 900 --out "
           "benchmarks/results/census-c804c85-recheck.jsonl (hf/oneformer's backend_autocast, past 900 s, again with "
           "--resume --rerun-slow 2700)"),
+    Cited("census-6e4ad5e-recheck.jsonl", "Two more silent findings, checked again at a later commit", "6e4ad5e",
+          "The two models found silent in the census above after the re-check before (the batch check at batch 1 "
+          "after batch 2, and the backend outside `torch.autocast`), run again at a later graphamp commit on the "
+          "same machine, with the same checks.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/(pocket_tts_audio_tokenizer|pocket_tts_audio_tokenizer_encoder)$' "
+          "--checks inputs,batch,backend,backend_autocast --jobs 1 --timeout 900 --out "
+          "benchmarks/results/census-6e4ad5e-recheck.jsonl"),
 )
 
 # README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
