@@ -7,6 +7,7 @@ Every check compares with eager autocast on the machine the test runs on.
 """
 
 import contextlib
+import dis
 import re
 import sys
 import warnings
@@ -686,6 +687,34 @@ def test_handover_run_switches_autocast_off_at_the_line_and_restores_the_process
     assert _SEEN == [False]
     assert (isinstance(error, RuntimeError) and "bfloat16" in str(error).lower()) if fails else error is None, error
     assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), sys.gettrace()) == before
+
+
+def _two_calls_on_the_line(x):
+    _SEEN.append(torch.is_autocast_enabled("cpu"))
+    return torch.bmm(torch.mm(x, x)[None], x[None])  # the break at bmm: mm is in the graph, under autocast
+
+
+def _outer_call_columns(fn, line):
+    calls = [i.positions for i in dis.get_instructions(fn) if i.opname.startswith("CALL") and i.positions.lineno == line]
+    widest = max(calls, key=lambda p: p.end_col_offset - p.col_offset)
+    return widest.col_offset, widest.end_col_offset
+
+
+@pytest.mark.parametrize("at_the_instruction", [True, False])
+def test_handover_run_switches_at_the_instruction_dynamo_broke_at(at_the_instruction):
+    line = _two_calls_on_the_line.__code__.co_firstlineno + 2
+    columns = _outer_call_columns(_two_calls_on_the_line, line) if at_the_instruction else None
+    frame = observe.Frame(_two_calls_on_the_line, (torch.randn(4, 4),), {})
+    error = graphamp.backend.handover.handover_error(frame, (__file__, line), columns=columns, device_type="cpu", dtype=torch.bfloat16)
+    # At the instruction: a bf16 mm meets the fp32 x in bmm. From the line's start: both fp32.
+    assert (isinstance(error, RuntimeError) and "bfloat16" in str(error).lower()) if at_the_instruction else error is None, error
+
+
+def test_handover_run_switches_at_the_line_where_no_instruction_has_the_columns():
+    site = (__file__, _mixes_after_the_line.__code__.co_firstlineno + 2)
+    frame = observe.Frame(_mixes_after_the_line, (torch.randn(4, 4),), {})
+    error = graphamp.backend.handover.handover_error(frame, site, columns=(900, 901), device_type="cpu", dtype=torch.bfloat16)
+    assert isinstance(error, RuntimeError) and "bfloat16" in str(error).lower(), error
 
 
 def test_handover_run_leaves_a_tracer_alone():
