@@ -655,6 +655,39 @@ def test_a_break_below_a_call_hands_over_before_the_call(dtype):
     assert_bitwise_inside_autocast(model, x, dtype)
 
 
+class AttendAfterItsOwnBreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h):
+        y = _breaks(self.lin(h.float()))  # its graph runs the linear in bf16 and hands that over
+        return F.scaled_dot_product_attention(h[None], y[None], y[None])
+
+
+class BackboneThenCalleeThatBreaks(nn.Module):
+    """The callee's own break hands over its graph's bf16, so its attention after the break meets one
+    dtype: the outer frame's check answers only up to that break (the callee's graph checks the rest)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone, self.callee = nn.Linear(8, 8), AttendAfterItsOwnBreak()
+
+    def forward(self, x):
+        return self.callee(self.backbone(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_break_below_a_call_is_checked_up_to_where_the_callee_breaks(dtype):
+    model, x = BackboneThenCalleeThatBreaks().eval(), torch.randn(4, 8)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", EagerPathWarning)
+        out = compiled(model, dtype)(x)
+        with torch.autocast("cpu", dtype=dtype):
+            ref = model(x)
+    assert torch.equal(out, ref) and out.dtype == ref.dtype == dtype
+
+
 _SEEN = []  # the frame's arguments are copied for the run: a global sees what it did
 
 

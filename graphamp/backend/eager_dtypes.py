@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import traceback
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch.fx import GraphModule, Node
@@ -27,7 +28,7 @@ from torch.fx.node import map_aggregate
 from graphamp.backend.observe import DtypeCall, EagerRun, Frame, call_name, node_call_site, dtype_calls, dtype_constants, dtype_limits, frame_name
 from graphamp.errors import EagerPathWarning
 
-__all__ = ["follow_eager_dtypes", "graph_break_resume", "graph_break_site", "graph_dtype_calls", "align"]
+__all__ = ["follow_eager_dtypes", "BreakSite", "graph_break_resume", "graph_break_site", "graph_dtype_calls", "align"]
 
 
 def graph_dtype_calls(gm: GraphModule) -> list[tuple[Node, DtypeCall]]:
@@ -142,26 +143,39 @@ def graph_break_site(gm: GraphModule) -> str | None:
     return f"{where} ({why})"
 
 
-def graph_break_resume(gm: GraphModule) -> traceback.FrameSummary | None:
-    """Where the frame's code after the break dynamo broke off the graph ``gm`` begins (file, line
-    and, where recorded, the columns of the instruction); None where the graph ends at the frame's
-    return or dynamo recorded no line.
+class BreakSite(NamedTuple):
+    """Where the frame's code after a graph break begins (``resume``: file, line and, where dynamo
+    recorded them, the instruction's columns), and, where that is a call the break is below, the
+    line where dynamo's trace of that call breaks again (``again``; None where the break is the
+    frame's own)."""
+
+    resume: traceback.FrameSummary
+    again: traceback.FrameSummary | None
+
+
+def graph_break_resume(gm: GraphModule) -> BreakSite | None:
+    """Where the frame's code after the break dynamo broke off the graph ``gm`` begins; None where
+    the graph ends at the frame's return or dynamo recorded no line.
 
     A break inside a function the frame calls ends the graph before that call, in the frame itself:
     the call runs as a new frame, traced from its first line (OneFormer's pixel decoder, called with
-    the backbone's bf16 features, breaks in a helper far below). So the line is the frame's own, the
-    outermost of the user's stack, unless dynamo resumes inside nested calls
+    the backbone's bf16 features, breaks in a helper far below), up to the same break. So the line is
+    the frame's own, the outermost of the user's stack, unless dynamo resumes inside nested calls
     (``torch._dynamo.config.nested_graph_breaks``)."""
     if not _ends_at_graph_break(gm):
         return None
-    nested = bool(getattr(torch._dynamo.config, "nested_graph_breaks", False))
-    return _break_frame(gm) if nested else _break_frame(gm, outermost=True)
-
-
-def _break_frame(gm: GraphModule, *, outermost: bool = False) -> traceback.FrameSummary | None:
-    """The innermost (or outermost) frame of the user's stack dynamo recorded at the break, or None."""
     stack = list(getattr(gm.compile_subgraph_reason, "user_stack", None) or ())
-    return (stack[0] if outermost else stack[-1]) if stack else None
+    if not stack:
+        return None
+    if len(stack) == 1 or bool(getattr(torch._dynamo.config, "nested_graph_breaks", False)):
+        return BreakSite(stack[-1], None)
+    return BreakSite(stack[0], stack[-1])
+
+
+def _break_frame(gm: GraphModule) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's stack dynamo recorded at the break, or None."""
+    stack = list(getattr(gm.compile_subgraph_reason, "user_stack", None) or ())
+    return stack[-1] if stack else None
 
 
 def _describe(missed: list[DtypeCall], low: list[DtypeCall]) -> str:

@@ -48,16 +48,18 @@ def check_handover(
     the break gets values in autocast's dtypes (its rewrite hands over values in other dtypes than
     dynamo traced, or the frame was called with low-precision tensors an earlier graph returned) and
     fails on them."""
-    at = graph_break_resume(traced)
-    if frame is None or at is None:
+    site = graph_break_resume(traced)
+    if frame is None or site is None:
         return
+    at = site.resume
     line = (at.filename, at.lineno)
     changed = changed_handover(traced, rewritten)
     low = _low_precision_arguments(frame)
     if not changed and not low:
         return
     columns = (at.colno, at.end_colno) if getattr(at, "colno", None) is not None else None
-    error = handover_error(frame, line, columns=columns, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
+    until = (site.again.filename, site.again.lineno) if site.again is not None else None
+    error = handover_error(frame, line, columns=columns, until=until, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
     if error is None:
         return
     first = next((text.strip() for text in str(error).splitlines() if text.strip()), "")
@@ -65,11 +67,11 @@ def check_handover(
         [f"output {i} in {b} (traced as {a})" for i, a, b in changed[:3]]
         + [f"argument {name!r} in {d}" for name, d in low[:3] if not changed]
     )
-    site = graph_break_site(traced)
-    if not (site or "").startswith(f"{line[0]}:{line[1]} "):  # a break below a call the frame makes
-        site = f"{site}, so its graph ends before the call on {line[0]}:{line[1]}"
+    where = graph_break_site(traced)
+    if site.again is not None:  # a break below a call the frame makes
+        where = f"{where}, so its graph ends before the call on {line[0]}:{line[1]}"
     raise GraphBreakError(
-        f"dynamo broke {frame_name(frame)} into several graphs at {site}. Called outside "
+        f"dynamo broke {frame_name(frame)} into several graphs at {where}. Called outside "
         f"torch.autocast, the code from there on is traced and run without autocast, and it fails on the "
         f"values in autocast's dtypes it gets ({handed}): {type(error).__name__}: "
         f"{first[:300].rstrip('.')}. Way out: call the compiled model inside torch.autocast({device_type!r}, dtype={dtype}) "
@@ -96,7 +98,7 @@ def _output_dtypes(gm: GraphModule, key: str) -> list[torch.dtype | None]:
 
 
 def handover_error(
-    frame: Frame, site: tuple[str, int], *, columns: tuple[int, int] | None = None,
+    frame: Frame, site: tuple[str, int], *, columns: tuple[int, int] | None = None, until: tuple[str, int] | None = None,
     device_type: str, dtype: torch.dtype, cache_enabled: bool = True,
 ) -> Exception | None:
     """The error dynamo's trace of the code after a graph break on ``site`` (file, line) meets
@@ -105,7 +107,11 @@ def handover_error(
     The frame's code runs eagerly as ``torch.compile`` runs it: autocast on up to the first time the
     line runs (the graph's program), off from there (dynamo traces the rest without autocast); where
     dynamo recorded the ``columns`` of the instruction it broke at, off from that instruction on the
-    line instead (``decoder(backbone(x))``: the backbone is in the graph, the decoder after it). From
+    line instead (``decoder(backbone(x))``: the backbone is in the graph, the decoder after it).
+    Where the break is below that call, dynamo's trace of the callee breaks again at the line
+    ``until``: from there the callee's own graph hands over its values in autocast's dtypes, which
+    this run does not follow, so it answers only for what ran before (that graph's own check takes
+    over), and runs the rest under autocast, unwatched. From
     the line on, each call also runs on fake tensors, as dynamo's trace propagates it, and the first
     that fake propagation refuses because its tensors have two floating dtypes (it passes with them
     cast to one) is the answer, as is an error the model's Python raises from the line on (it runs
@@ -118,7 +124,7 @@ def handover_error(
     """
     if sys.gettrace() is not None:
         return None
-    watch = _LikeDynamoAfter(site, columns, device_type, dtype, cache_enabled)
+    watch = _LikeDynamoAfter(site, columns, until, device_type, dtype, cache_enabled)
     try:
         run_frame(frame, ambient_autocast(device_type, dtype, cache_enabled=cache_enabled), watch)
     except _MixedDtypes as e:
@@ -128,7 +134,7 @@ def handover_error(
     except Exception as e:
         # Raised by the model's Python after the line (nn.LSTM's dtype check, which autocast
         # skips): dynamo's trace runs that Python too. Before it, the frame cannot run here.
-        return e if watch.reached else None
+        return e if watch.reached and not watch.done else None
     return None
 
 
@@ -143,14 +149,16 @@ class _Diverged(Exception):
 class _LikeDynamoAfter(TorchFunctionMode):
     """From the first time the line ``site`` runs (the instruction at ``columns`` on it, where given):
     ``device_type``'s autocast off (the enclosing region restores it), and each call checked on fake
-    tensors before it runs."""
+    tensors before it runs; from the line ``until`` (where given) on, autocast on again, unwatched."""
 
     def __init__(
-        self, site: tuple[str, int], columns: tuple[int, int] | None, device_type: str, dtype: torch.dtype, cache_enabled: bool = True,
+        self, site: tuple[str, int], columns: tuple[int, int] | None, until: tuple[str, int] | None,
+        device_type: str, dtype: torch.dtype, cache_enabled: bool = True,
     ) -> None:
         super().__init__()
         self.filename, self.lineno = site
-        self.columns = columns
+        self.columns, self.until = columns, until
+        self.done = False
         self.device_type, self.dtype, self.cache_enabled = device_type, dtype, cache_enabled
         self.reached = False
         self.fake = FakeTensorMode()
@@ -165,19 +173,24 @@ class _LikeDynamoAfter(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def _on_call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if self.reached or frame.f_code.co_filename != self.filename:
+        if self.reached:
+            return self._on_event if not self.done and frame.f_code.co_filename == (self.until or ("",))[0] else None
+        if frame.f_code.co_filename != self.filename:
             return None
         if self._break_offsets(frame.f_code):
             frame.f_trace_opcodes = True
         return self._on_event
 
     def _on_event(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        offsets = self._break_offsets(frame.f_code)
-        if event == "opcode" and frame.f_lasti in offsets:
-            self._switch()
-        elif event == "line" and frame.f_lineno == self.lineno and not offsets:
-            self._switch()
-        return None if self.reached else self._on_event
+        if not self.reached:
+            offsets = self._break_offsets(frame.f_code)
+            if (event == "opcode" and frame.f_lasti in offsets) or (event == "line" and frame.f_lineno == self.lineno and not offsets):
+                frame.f_trace_opcodes = False
+                self._switch()
+        elif event == "line" and (frame.f_code.co_filename, frame.f_lineno) == self.until:
+            self.done = True
+            torch.set_autocast_enabled(self.device_type, True)
+        return self._on_event if not self.done and (not self.reached or self.until is not None) else None
 
     def _break_offsets(self, code: types.CodeType) -> frozenset[int]:
         """The offsets of ``code``'s instructions on the line whose columns are the break's (none
@@ -197,7 +210,7 @@ class _LikeDynamoAfter(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self.reached:
+        if not self.reached or self.done:
             return func(*args, **kwargs)
         expected = self._fake_dtypes(func, args, kwargs)
         try:
