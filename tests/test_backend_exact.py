@@ -593,13 +593,21 @@ class ConvAfterABreak(nn.Module):
         return self.conv(x)  # traced without autocast: a bf16 input and an fp32 bias fail
 
 
+class ConvAfterABreakBelow(ConvAfterABreak):
+    """transformers' Mimi: the break is in F.pad, below a call; the conv follows its return."""
+
+    def forward(self, x):
+        x = _breaks(x * 2)
+        return self.conv(x)
+
+
 class ConvLayers(nn.Module):
     """transformers' Mimi: a loop over layers that break; each layer's graph returns bf16 to the loop
     (dynamo traced fp32), which calls the next layer with it."""
 
-    def __init__(self) -> None:
+    def __init__(self, layer: type[nn.Module] = ConvAfterABreak) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(ConvAfterABreak() for _ in range(2))
+        self.layers = nn.ModuleList(layer() for _ in range(2))
 
     def forward(self, x):
         for layer in self.layers:
@@ -607,12 +615,13 @@ class ConvLayers(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("layer", [ConvAfterABreak, ConvAfterABreakBelow])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_frame_called_with_what_an_earlier_graph_returned_raises_typed(dtype):
-    model, x = ConvLayers().eval(), torch.randn(2, 4, 8)
+def test_a_frame_called_with_what_an_earlier_graph_returned_raises_typed(dtype, layer):
+    model, x = ConvLayers(layer).eval(), torch.randn(2, 4, 8)
     error = graph_break_error(model, x, dtype)
     message = str(error)
-    assert "dynamo broke ConvAfterABreak.forward into several graphs" in message, message
+    assert f"dynamo broke {layer.__name__}.forward into several graphs" in message, message
     assert f"(argument 'x' in {dtype})" in message and "bias type (float)" in message, message
     assert_bitwise_inside_autocast(model, x, dtype)
 

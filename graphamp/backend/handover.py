@@ -109,9 +109,9 @@ def handover_error(
     dynamo recorded the ``columns`` of the instruction it broke at, off from that instruction on the
     line instead (``decoder(backbone(x))``: the backbone is in the graph, the decoder after it).
     Where the break is below that call, dynamo's trace of the callee breaks again at the line
-    ``until``: from there the callee's own graph hands over its values in autocast's dtypes, which
-    this run does not follow, so it answers only for what ran before (that graph's own check takes
-    over), and runs the rest under autocast, unwatched. From
+    ``until``: from there to the callee's return, its own graphs (with their own check) run, in
+    autocast's dtypes, so this run runs that part under autocast, unwatched, and watches again from
+    the return on, with the values it returns. From
     the line on, each call also runs on fake tensors, as dynamo's trace propagates it, and the first
     that fake propagation refuses because its tensors have two floating dtypes (it passes with them
     cast to one) is the answer, as is an error the model's Python raises from the line on (it runs
@@ -134,7 +134,7 @@ def handover_error(
     except Exception as e:
         # Raised by the model's Python after the line (nn.LSTM's dtype check, which autocast
         # skips): dynamo's trace runs that Python too. Before it, the frame cannot run here.
-        return e if watch.reached and not watch.done else None
+        return e if watch.reached and not watch.paused else None
     return None
 
 
@@ -149,7 +149,8 @@ class _Diverged(Exception):
 class _LikeDynamoAfter(TorchFunctionMode):
     """From the first time the line ``site`` runs (the instruction at ``columns`` on it, where given):
     ``device_type``'s autocast off (the enclosing region restores it), and each call checked on fake
-    tensors before it runs; from the line ``until`` (where given) on, autocast on again, unwatched."""
+    tensors before it runs; from the line ``until`` (where given) to the return of the call it is
+    below, autocast on again, unwatched."""
 
     def __init__(
         self, site: tuple[str, int], columns: tuple[int, int] | None, until: tuple[str, int] | None,
@@ -158,7 +159,8 @@ class _LikeDynamoAfter(TorchFunctionMode):
         super().__init__()
         self.filename, self.lineno = site
         self.columns, self.until = columns, until
-        self.done = False
+        self.paused = False  # from the line ``until`` to the return of the call the break is below
+        self.root: types.FrameType | None = None  # the frame that makes that call
         self.device_type, self.dtype, self.cache_enabled = device_type, dtype, cache_enabled
         self.reached = False
         self.fake = FakeTensorMode()
@@ -174,7 +176,7 @@ class _LikeDynamoAfter(TorchFunctionMode):
 
     def _on_call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         if self.reached:
-            return self._on_event if not self.done and frame.f_code.co_filename == (self.until or ("",))[0] else None
+            return self._on_event if self.until is not None and frame.f_code.co_filename == self.until[0] else None
         if frame.f_code.co_filename != self.filename:
             return None
         if self._break_offsets(frame.f_code):
@@ -186,11 +188,19 @@ class _LikeDynamoAfter(TorchFunctionMode):
             offsets = self._break_offsets(frame.f_code)
             if (event == "opcode" and frame.f_lasti in offsets) or (event == "line" and frame.f_lineno == self.lineno and not offsets):
                 frame.f_trace_opcodes = False
-                self._switch()
-        elif event == "line" and (frame.f_code.co_filename, frame.f_lineno) == self.until:
-            self.done = True
+                self.reached, self.root = True, frame
+                torch.set_autocast_enabled(self.device_type, False)
+        elif self.paused:
+            if frame is self.root and event == "opcode":  # the callee returned: dynamo traces the frame again
+                frame.f_trace_opcodes, self.paused = False, False
+                torch.set_autocast_enabled(self.device_type, False)
+        elif event == "line" and frame is not self.root and (frame.f_code.co_filename, frame.f_lineno) == self.until:
+            # The callee's own break: its graph's values, as graphamp's graph runs it, up to its return.
+            self.paused = True
             torch.set_autocast_enabled(self.device_type, True)
-        return self._on_event if not self.done and (not self.reached or self.until is not None) else None
+            if self.root is not None:
+                self.root.f_trace_opcodes = True
+        return self._on_event if not self.reached or self.until is not None else None
 
     def _break_offsets(self, code: types.CodeType) -> frozenset[int]:
         """The offsets of ``code``'s instructions on the line whose columns are the break's (none
@@ -204,13 +214,9 @@ class _LikeDynamoAfter(TorchFunctionMode):
             )
         return self._offsets[code]
 
-    def _switch(self) -> None:
-        self.reached = True
-        torch.set_autocast_enabled(self.device_type, False)
-
     def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self.reached or self.done:
+        if not self.reached or self.paused:
             return func(*args, **kwargs)
         expected = self._fake_dtypes(func, args, kwargs)
         try:
