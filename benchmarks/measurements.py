@@ -188,6 +188,12 @@ CITED = (
           ".venv/bin/python benchmarks/census.py --only '^hf/(pocket_tts_audio_tokenizer|pocket_tts_audio_tokenizer_encoder)$' "
           "--checks inputs,batch,backend,backend_autocast --jobs 1 --timeout 900 --out "
           "benchmarks/results/census-6e4ad5e-recheck.jsonl"),
+    Cited("census-cddcd1a-recheck.jsonl", "The qwen vision towers' backend, checked again at a later commit", "cddcd1a",
+          "Five vision towers whose backend check outside `torch.autocast` failed silently in the census above, run "
+          "again at a later graphamp commit on the same machine, with the backend outside and inside `torch.autocast`.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/(qwen3_5_vision|qwen3_5_moe_vision|qwen3_vl_vision|"
+          "qwen3_vl_moe_vision|qwen4_exp_vision)$' --checks backend,backend_autocast --jobs 1 --timeout 900 --out "
+          "benchmarks/results/census-cddcd1a-recheck.jsonl"),
 )
 
 # README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
