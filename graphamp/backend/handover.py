@@ -111,8 +111,7 @@ def handover_error(
     Where the break is below that call, dynamo's trace of the callee breaks again at the line
     ``until``: from there to the callee's return, its own graphs (with their own check) run, in
     autocast's dtypes, so this run runs that part under autocast, unwatched, and watches again from
-    the return on, with the values it returns. From
-    the line on, each call also runs on fake tensors, as dynamo's trace propagates it, and the first
+    the return on, with the values it returns. While watched, each call also runs on fake tensors, as dynamo's trace propagates it, and the first
     that fake propagation refuses because its tensors have two floating dtypes (it passes with them
     cast to one) is the answer, as is an error the model's Python raises from the line on (it runs
     in dynamo's trace too). A call fake propagation takes but the real run refuses (a linear on a
@@ -205,10 +204,12 @@ class _LikeDynamoAfter(TorchFunctionMode):
     def _break_offsets(self, code: types.CodeType) -> frozenset[int]:
         """The offsets of ``code``'s instructions on the line whose columns are the break's (none
         where no columns were recorded or none match: the line's start is the break)."""
+        if self.columns is None:
+            return frozenset()
         if code not in self._offsets:
             self._offsets[code] = frozenset(
                 i.offset for i in dis.get_instructions(code)
-                if self.columns is not None and i.positions is not None and i.positions.lineno is not None
+                if i.positions is not None and i.positions.lineno is not None
                 and i.positions.lineno <= self.lineno <= (i.positions.end_lineno or i.positions.lineno)
                 and (i.positions.col_offset, i.positions.end_col_offset) == self.columns
             )
