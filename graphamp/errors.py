@@ -101,7 +101,8 @@ class CheckSkippedWarning(UserWarning):
     ``"random"`` (the graph draws random numbers: dropout in training), ``"error"`` (a run of the
     check raised), ``"unpaired"`` (the graph's outputs could not be paired with the frame's return
     value), ``"no_frame"`` (dynamo's frame could not be rebuilt), ``"gradients"`` (the outputs were
-    compared, the gradients not).
+    compared, the gradients not), ``"break_instruction"`` (the instruction dynamo runs eagerly at a
+    graph break could not be observed, so its torch calls were not compared with eager autocast's).
     """
 
     reason: str = ""

@@ -19,7 +19,9 @@ from torch import nn
 from torch._dynamo.exc import BackendCompilerFailed
 
 import factories
+import graphamp
 import graphamp.backend
+import graphamp.backend.break_calls
 import graphamp.backend.handover
 import graphamp.backend.observe as observe
 from graphamp.errors import EagerPathWarning, GraphBreakError, PolicyDriftError
@@ -457,27 +459,91 @@ class BreaksTheGraph(nn.Module):
     def forward(self, x):
         h = self.a(x)
         torch._dynamo.graph_break()
-        return self.b(h @ h.T)  # between the graphs: a matmul autocast would run in bf16
+        return self.b(h @ h.T)  # after the break: a graph of its own, which graphamp rewrites
 
 
-def test_code_between_graphs_outside_autocast_warns():
-    model, x = BreaksTheGraph(), torch.randn(8, 8)
+@torch.compiler.disable
+def _matmul_dynamo_skips(x):
+    return x @ x.T  # run eagerly at the break: without autocast, outside torch.autocast
+
+
+class BreaksAtASkippedMatmul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        g = _matmul_dynamo_skips(x)
+        return self.b(g + h)
+
+
+class BreaksAtAnItem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        scale = h.sum().item()  # the instruction dynamo runs eagerly: no call autocast casts
+        return self.b(h * scale)
+
+
+@torch.compiler.disable
+def _noise_dynamo_skips(h):
+    return h + torch.rand_like(h)
+
+
+class BreaksAtARandomDraw(BreaksAtAnItem):
+    def forward(self, x):
+        h = _noise_dynamo_skips(self.a(x))  # replayed on the same random state: equal
+        return self.b(h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cls", [BreaksTheGraph, BreaksAtAnItem, BreaksAtARandomDraw])
+def test_a_break_whose_instruction_autocast_leaves_alone_is_bitwise_and_unsaid(cls, dtype):
+    model, x = cls(), torch.randn(8, 8)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerPathWarning)
+        out = compiled(model, dtype)(x)  # outside torch.autocast
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=dtype):
+        ref = model(x)
+    assert torch.equal(out, ref) and out.dtype == ref.dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_break_at_a_call_autocast_casts_names_it(dtype):
+    model, x = BreaksAtASkippedMatmul(), torch.randn(8, 8)
     with pytest.warns(EagerPathWarning) as said:
-        compiled(model, torch.bfloat16)(x)
+        out = compiled(model, dtype)(x)
+    with torch.autocast("cpu", dtype=dtype):
+        ref = model(x)
+    assert not torch.equal(out, ref)  # the warning is about a real difference
     messages = [str(w.message) for w in said if w.category is EagerPathWarning]
-    # Named: the module, the line of the break and dynamo's reason, then the way out.
-    line = BreaksTheGraph.forward.__code__.co_firstlineno + 2
+    # Named: the module, the break's line and dynamo's reason, the call and its line, then the way out.
+    line = BreaksAtASkippedMatmul.forward.__code__.co_firstlineno + 2
+    call = next(i for i, text in enumerate(open(__file__), 1) if "return x @ x.T  # run eagerly at the break" in text)
     assert len(messages) == 1, messages
     assert re.search(
-        rf"dynamo broke BreaksTheGraph.forward into several graphs at {re.escape(__file__)}:{line} in forward \(.*graph_break.*\);"
-        r".*runs without autocast.*torch.autocast\('cpu', dtype=torch.bfloat16\)", messages[0], re.S,
+        rf"dynamo broke BreaksAtASkippedMatmul.forward into several graphs at {re.escape(__file__)}:{line} in forward \(.*disable.*\)"
+        rf".*matmul on {re.escape(__file__)}:{call} gives torch.float32 where eager autocast gives {dtype}"
+        rf".*torch.autocast\('cpu', dtype={dtype}\)", messages[0], re.S,
     ), messages[0]
     torch._dynamo.reset()
-    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
-        warnings.simplefilter("error", EagerPathWarning)
-        out = compiled(model, torch.bfloat16)(x)
-        ref = model(x)
-    assert torch.equal(out, ref)
+    assert_bitwise_inside_autocast(model, x, dtype)
+
+
+def test_a_break_instruction_that_cannot_be_observed_is_said(monkeypatch):
+    monkeypatch.setattr(graphamp.backend.break_calls, "break_call_differences", lambda *a, **k: None)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        compiled(BreaksAtASkippedMatmul(), torch.bfloat16)(torch.randn(8, 8))
+    assert not [w for w in said if w.category is EagerPathWarning]
+    reasons = [getattr(w.message, "reason", None) for w in said if w.category is graphamp.CheckSkippedWarning]
+    assert "break_instruction" in reasons, [str(w.message) for w in said]
 
 
 class RotaryThenBreak(nn.Module):

@@ -30,7 +30,6 @@ works after ``pip install`` without importing graphamp.
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,7 +38,7 @@ from torch.fx import GraphModule
 
 from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.config import Config
-from graphamp.errors import EagerPathWarning, OptionError, PolicyDriftError
+from graphamp.errors import OptionError, PolicyDriftError
 from graphamp.passes import build_pipeline, check_dtypes, run_passes
 from graphamp.policy import DEVICE_TYPES, resolve_dtype
 from graphamp.shared_state import capture_lock
@@ -48,12 +47,13 @@ from graphamp.backend.options import BackendOptions
 from graphamp.backend.eager_dtypes import follow_eager_dtypes, graph_break_site
 from graphamp.backend.eager_regions import follow_eager_regions
 from graphamp.backend.eager_check import check_outputs, matches_eager
-from graphamp.backend.observe import EagerRun, Frame, compiled_frame, eager_run, frame_name, observe_eager_frame
+from graphamp.backend.observe import EagerRun, Frame, compiled_frame, eager_run, observe_eager_frame
 from graphamp.backend.dropped_masks import Split, dispatch, eager_sdpa_calls_for, split_dropped_adds, split_dropped_masks
 from graphamp.probe import SdpaCall
 from graphamp.backend.retrace import _retrace
 from graphamp.backend.fill_values import check_fill_values
 from graphamp.backend.handover import check_handover
+from graphamp.backend.break_calls import check_break_calls
 from graphamp.backend.skipped_code import check_skipped_code, rest_checker
 from graphamp.backend.options import INNER_COMPILERS
 from graphamp.backend.weight_casts import share_parameter_casts
@@ -118,12 +118,11 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
         follow_eager_dtypes(gm, frame, device_type=device_type, dtype=spec.dtype, low=eager)
         if eager is not None:
             follow_eager_regions(gm, eager.autocast_off_sites, device_type=device_type)
-        site = graph_break_site(gm)
-        if site is not None:
-            _warn_code_between_graphs(frame_name(frame) if frame is not None else "the compiled code", site, device_type, spec.dtype)
-            if opts.self_check:
-                # The rest of the frame after the break, where dynamo skips it on the first call.
-                check_rest = rest_checker(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
+        if opts.self_check and graph_break_site(gm) is not None:
+            # The instruction dynamo runs eagerly at the break, without autocast.
+            check_break_calls(gm, frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
+            # The rest of the frame after the break, where dynamo skips it on the first call.
+            check_rest = rest_checker(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
         if opts.self_check:
             # Code dynamo skipped, above this frame, runs eagerly in fp32 (graphamp.backend.skipped_code).
             check_skipped_code(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
@@ -215,19 +214,6 @@ def _follow_dropped_adds(
     if not matches_eager(candidate, example_inputs, frame, eager, graph=candidate, traced=gm):
         return None, None
     return split, candidate
-
-
-def _warn_code_between_graphs(name: str, site: str, device_type: str, dtype: torch.dtype) -> None:
-    warnings.warn(
-        f"dynamo broke {name} into several graphs at {site}; called outside torch.autocast, the code it "
-        "runs eagerly there, up to the next graph, runs without autocast, in fp32, where eager autocast "
-        "would run its ops in mixed precision: values after that line may differ from eager autocast's, or "
-        "ops may meet tensors of two dtypes. "
-        f"Way out: call the compiled model inside torch.autocast({device_type!r}, dtype={dtype}); "
-        "graphamp's casts stay the only ones applied inside the graphs.",
-        EagerPathWarning,
-        stacklevel=3,
-    )
 
 
 def _device_type_of(gm: GraphModule, example_inputs: Sequence[Any]) -> str:

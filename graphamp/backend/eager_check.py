@@ -38,7 +38,7 @@ from graphamp.eager import fixed_loss, rng_kept
 from graphamp.errors import CheckSkippedWarning, EagerPathWarning
 from graphamp.spec import autocast_off
 
-__all__ = ["Where", "check_outputs", "flat_pairs", "matches_eager", "output_difference"]
+__all__ = ["Where", "check_outputs", "flat_pairs", "matches_eager", "output_difference", "say_skipped"]
 
 # Ops whose results depend on the random state: two programs draw alike only if they call them
 # alike, so a graph that draws is not compared (a difference there says nothing about dtypes).
@@ -77,7 +77,7 @@ def _hint(x: Any) -> Any:
     return x
 
 
-def _skip(name: str, reason: str, message: str, frame: Frame | None = None) -> None:
+def say_skipped(name: str, reason: str, message: str, frame: Frame | None = None) -> None:
     """Say once per frame and reason that (part of) the check did not run."""
     key = (reason, _frame_key(frame) if frame is not None else name)
     if key in _said:
@@ -212,7 +212,7 @@ def check_outputs(
     (CheckSkippedWarning). Returns whether it compared."""
     name = frame_name(frame) if frame is not None else "the frame dynamo compiles"
     if traced is not None and _ends_at_graph_break(traced):
-        _skip(name, "graph_break", frame=frame, message=(
+        say_skipped(name, "graph_break", frame=frame, message=(
             "dynamo broke it into several graphs, and this graph holds only its part up to the break, whose "
             "values the frame does not return: that part was not compared with eager autocast (a graph that "
             "holds the rest of a frame is)."
@@ -220,18 +220,18 @@ def check_outputs(
         return False
     if frame is None:
         if under_dynamo():
-            _skip(name, "no_frame", (
+            say_skipped(name, "no_frame", (
                 "the backend could not rebuild the frame dynamo compiles from torch's tracer (private to "
                 "torch), so the compiled graph was not compared with eager autocast."
             ))
         return False
     if eager is None and not _draws(graph):
-        _skip(name, "error", frame=frame, message=f"eager autocast could not run the frame here ({_eager_failure(frame, device_type, dtype, cache_enabled)}), so the compiled graph was not compared with it.")
+        say_skipped(name, "error", frame=frame, message=f"eager autocast could not run the frame here ({_eager_failure(frame, device_type, dtype, cache_enabled)}), so the compiled graph was not compared with it.")
         return False
     try:
         pairs, differences = _compare(run, example_inputs, frame, eager, graph=graph, traced=traced)
     except _CannotCompare as e:
-        _skip(name, e.reason, frame=frame, message=e.message)
+        say_skipped(name, e.reason, frame=frame, message=e.message)
         return False
     if not pairs:
         return False
@@ -392,7 +392,7 @@ def _check_gradients(
         if x.is_leaf:
             continue  # a parameter, or an input tensor that requires grad: both sides take it as it is
         if id(x) not in arguments:
-            _skip(name, "gradients", frame=frame, message=(
+            say_skipped(name, "gradients", frame=frame, message=(
                 f"its outputs equal eager autocast's, but the gradients were not compared: graph input #{k} is a "
                 "tensor with autograd history that the frame reaches other than through its arguments, so the "
                 "two backward passes would not start from the same leaves."
@@ -414,7 +414,7 @@ def _check_gradients(
             )
         got = [_detached(o) for o in got]
     except Exception as e:
-        _skip(name, "gradients", frame=frame, message=f"its outputs equal eager autocast's, but the gradients were not compared: the compiled graph's backward raised ({_error(e)}).")
+        say_skipped(name, "gradients", frame=frame, message=f"its outputs equal eager autocast's, but the gradients were not compared: the compiled graph's backward raised ({_error(e)}).")
         return
     try:
         result, want_grads = eager_backward(
@@ -422,7 +422,7 @@ def _check_gradients(
             device_type=device_type, dtype=dtype, cache_enabled=cache_enabled,
         )
     except Exception as e:
-        _skip(name, "gradients", frame=frame, message=f"its outputs equal eager autocast's, but the gradients were not compared: eager autocast's backward raised ({_error(e)}).")
+        say_skipped(name, "gradients", frame=frame, message=f"its outputs equal eager autocast's, but the gradients were not compared: eager autocast's backward raised ({_error(e)}).")
         return
     differences = _differences(got, result, pairs)
     if differences:

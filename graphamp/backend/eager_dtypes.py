@@ -17,7 +17,10 @@ line. A constant eager changes that no graph call matches cannot be followed: th
 from __future__ import annotations
 
 import difflib
+import dis
+import functools
 import traceback
+import types
 import warnings
 from typing import NamedTuple
 
@@ -28,7 +31,7 @@ from torch.fx.node import map_aggregate
 from graphamp.backend.observe import DtypeCall, EagerRun, Frame, call_name, node_call_site, dtype_calls, dtype_constants, dtype_limits, frame_name
 from graphamp.errors import EagerPathWarning
 
-__all__ = ["follow_eager_dtypes", "BreakSite", "graph_break_resume", "graph_break_site", "graph_dtype_calls", "align"]
+__all__ = ["follow_eager_dtypes", "BreakSite", "graph_break_resume", "graph_break_site", "graph_dtype_calls", "align", "instruction_offsets"]
 
 
 def graph_dtype_calls(gm: GraphModule) -> list[tuple[Node, DtypeCall]]:
@@ -170,6 +173,20 @@ def graph_break_resume(gm: GraphModule) -> BreakSite | None:
     if len(stack) == 1 or bool(getattr(torch._dynamo.config, "nested_graph_breaks", False)):
         return BreakSite(stack[-1], None)
     return BreakSite(stack[0], stack[-1])
+
+
+@functools.lru_cache(maxsize=256)
+def instruction_offsets(code: types.CodeType, lineno: int, columns: tuple[int, int] | None) -> frozenset[int]:
+    """The offsets of ``code``'s instructions on line ``lineno`` whose columns are ``columns`` (as
+    dynamo records them for the instruction it broke at); empty where ``columns`` is None."""
+    if columns is None:
+        return frozenset()
+    return frozenset(
+        i.offset for i in dis.get_instructions(code)
+        if i.positions is not None and i.positions.lineno is not None
+        and i.positions.lineno <= lineno <= (i.positions.end_lineno or i.positions.lineno)
+        and (i.positions.col_offset, i.positions.end_col_offset) == columns
+    )
 
 
 def _break_frame(gm: GraphModule) -> traceback.FrameSummary | None:

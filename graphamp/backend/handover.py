@@ -14,7 +14,6 @@ and raises :class:`graphamp.GraphBreakError` instead, when that run fails.
 
 from __future__ import annotations
 
-import dis
 import inspect
 import sys
 import types
@@ -23,11 +22,10 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from graphamp.backend.eager_dtypes import graph_break_resume, graph_break_site
-from graphamp.backend.observe import Frame, fake_float_dtypes, float_dtypes, frame_name, run_frame
+from graphamp.backend.eager_dtypes import graph_break_resume, graph_break_site, instruction_offsets
+from graphamp.backend.observe import Frame, TracingMode, fake_float_dtypes, float_dtypes, frame_name, run_frame
 from graphamp.errors import GraphBreakError
 from graphamp.spec import ambient_autocast
 
@@ -145,7 +143,7 @@ class _Diverged(Exception):
     """A call ran otherwise than fake propagation says: the run no longer follows dynamo's trace."""
 
 
-class _LikeDynamoAfter(TorchFunctionMode):
+class _LikeDynamoAfter(TracingMode):
     """From the first time the line ``site`` runs (the instruction at ``columns`` on it, where given):
     ``device_type``'s autocast off (the enclosing region restores it), and each call checked on fake
     tensors before it runs; from the line ``until`` (where given) to the return of the call it is
@@ -163,15 +161,6 @@ class _LikeDynamoAfter(TorchFunctionMode):
         self.device_type, self.dtype, self.cache_enabled = device_type, dtype, cache_enabled
         self.reached = False
         self.fake = FakeTensorMode()
-        self._offsets: dict[types.CodeType, frozenset[int]] = {}
-
-    def __enter__(self) -> Any:
-        sys.settrace(self._on_call)
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        sys.settrace(None)
-        return super().__exit__(*exc)
 
     def _on_call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         if self.reached:
@@ -202,18 +191,9 @@ class _LikeDynamoAfter(TorchFunctionMode):
         return self._on_event if not self.reached or self.until is not None else None
 
     def _break_offsets(self, code: types.CodeType) -> frozenset[int]:
-        """The offsets of ``code``'s instructions on the line whose columns are the break's (none
-        where no columns were recorded or none match: the line's start is the break)."""
-        if self.columns is None:
-            return frozenset()
-        if code not in self._offsets:
-            self._offsets[code] = frozenset(
-                i.offset for i in dis.get_instructions(code)
-                if i.positions is not None and i.positions.lineno is not None
-                and i.positions.lineno <= self.lineno <= (i.positions.end_lineno or i.positions.lineno)
-                and (i.positions.col_offset, i.positions.end_col_offset) == self.columns
-            )
-        return self._offsets[code]
+        """The offsets of ``code``'s instructions at the break (none where no columns were recorded
+        or none match: the line's start is the break)."""
+        return instruction_offsets(code, self.lineno, self.columns)
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

@@ -41,7 +41,7 @@ from graphamp.spec import ambient_autocast, autocast_off
 
 __all__ = [
     "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "fake_float_dtypes", "float_dtypes", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "dtype_limits",
-    "frame_name", "observe_eager_frame", "returned_outputs", "run_frame", "under_dynamo",
+    "TracingMode", "frame_name", "observe_eager_frame", "returned_outputs", "run_frame", "under_dynamo",
 ]
 
 
@@ -334,6 +334,22 @@ class _RecordDtypeCalls(TorchFunctionMode):
         if self.device_type is not None:
             self.sites[torch.is_autocast_enabled(self.device_type)].add(site)
         return func(*args, **kwargs)
+
+
+class TracingMode(TorchFunctionMode):
+    """A TorchFunctionMode that also watches the Python frames that run while it is on: each new
+    frame goes to ``_on_call`` (``sys.settrace``'s global function), whose answer traces it."""
+
+    def __enter__(self) -> Any:
+        sys.settrace(self._on_call)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        sys.settrace(None)
+        return super().__exit__(*exc)
+
+    def _on_call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        return None
 
 
 class EagerRun(NamedTuple):
