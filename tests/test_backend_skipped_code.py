@@ -12,11 +12,12 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import graphamp.backend.skipped_code as skipped_code
 from graphamp.errors import EagerPathWarning
-from test_backend_exact import DTYPES, _fresh_dynamo, compiled, graph_break_error  # noqa: F401  (_fresh_dynamo: autouse)
+from test_backend_exact import DTYPES, _fresh_dynamo, assert_bitwise_inside_autocast, compiled, graph_break_error  # noqa: F401  (_fresh_dynamo: autouse)
 
 
 class Block(nn.Module):
@@ -56,6 +57,55 @@ class SkipsInALoop(nn.Module):
         if self.tail == "head_fp32":  # the head runs in fp32 where eager autocast runs it in bf16
             return {"y": self.head(x.float()), "x": x}
         return {"y": (x * 2).flatten(), "x": x}  # ops autocast leaves alone
+
+
+class MaskHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 6)
+
+    def forward(self, x):  # compiled below the skipped frame: graphamp's graph returns it in bf16
+        return self.lin(x).unsqueeze(1)
+
+
+class AttentionLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, h, mask):  # dynamo traces it without autocast: an fp32 query, the bf16 mask
+        q, k, v = self.q(h).unsqueeze(1), self.k(h).unsqueeze(1), self.v(h).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).squeeze(1)
+
+
+class SkippedCallsALayer(nn.Module):
+    """transformers' SAM3 DETR decoder: a graph break in its loop over layers, where each layer's
+    attention mask comes from a compiled head and its hidden state from the skipped code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(MaskHead() for _ in range(2))
+        self.layers = nn.ModuleList(AttentionLayer() for _ in range(2))
+
+    def forward(self, x):
+        h = x
+        for head, layer in zip(self.heads, self.layers):
+            if x.sum().item() > 1e9:  # a graph break in the loop: dynamo skips the frame
+                x = x * 2
+            h = layer(h, head(x))
+        return h
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_layer_the_skipped_code_calls_that_dynamo_cannot_trace_raises_typed(dtype):
+    torch.manual_seed(0)
+    model, x = SkippedCallsALayer().eval(), torch.randn(2, 6, 8)
+    message = str(graph_break_error(model, x, dtype))
+    assert "dynamo runs SkippedCallsALayer.forward (test_backend_skipped_code.py) eagerly" in message, message
+    assert "dynamo's trace of AttentionLayer.forward (test_backend_skipped_code.py)" in message, message
+    assert "refuses scaled_dot_product_attention" in message and "attn_mask" in message, message
+    assert f"torch.autocast('cpu', dtype={dtype})" in message, message
+    assert_bitwise_inside_autocast(model, x, dtype)
 
 
 def _dynamo_runs(caught):

@@ -25,7 +25,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from graphamp.backend.eager_dtypes import graph_break_resume, graph_break_site, instruction_offsets
-from graphamp.backend.observe import Frame, TracingMode, fake_float_dtypes, float_dtypes, frame_name, run_frame
+from graphamp.backend.observe import Frame, TracingMode, fake_float_dtypes, float_dtypes, frame_name, refused_for_two_dtypes, run_frame
 from graphamp.errors import GraphBreakError
 from graphamp.spec import ambient_autocast
 
@@ -223,21 +223,9 @@ class _LikeDynamoAfter(TracingMode):
         try:
             return fake_float_dtypes(self.fake, func, args, kwargs)
         except Exception as e:
-            if type(e) is RuntimeError and self._one_dtype_passes(func, args, kwargs):
+            if refused_for_two_dtypes(self.fake, func, args, kwargs, e):
                 raise _MixedDtypes from e
             return None
-
-    def _one_dtype_passes(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        floating = {t.dtype for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()}
-        if len(floating) < 2:
-            return False
-        common = torch.float32 if torch.float32 in floating else next(iter(floating))
-        try:
-            cast_args, cast_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: (t.to(common) if t.is_floating_point() else t), (args, kwargs))
-            fake_float_dtypes(self.fake, func, cast_args, cast_kwargs)
-        except Exception:
-            return False
-        return True
 
 
 def _as_dtypes(value: Any, dtypes: list[torch.dtype]) -> Any:

@@ -40,7 +40,7 @@ from graphamp.probe import SdpaCall, eager_sdpa_calls
 from graphamp.spec import ambient_autocast, autocast_off
 
 __all__ = [
-    "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "fake_float_dtypes", "float_dtypes", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "dtype_limits",
+    "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "fake_float_dtypes", "float_dtypes", "refused_for_two_dtypes", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "dtype_limits",
     "TracingMode", "frame_name", "observe_eager_frame", "returned_outputs", "run_frame", "under_dynamo",
 ]
 
@@ -396,6 +396,21 @@ def fake_float_dtypes(fake: FakeTensorMode, func: Any, args: tuple, kwargs: dict
     fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, fake.from_tensor, (args, kwargs))
     with fake:
         return float_dtypes(func(*fake_args, **fake_kwargs))
+
+
+def refused_for_two_dtypes(fake: FakeTensorMode, func: Any, args: tuple, kwargs: dict, error: Exception) -> bool:
+    """Whether ``error``, fake propagation's refusal of the call, is for its tensors' two floating
+    dtypes: the call passes with them cast to one (fp32 where it is one of them)."""
+    floating = {t.dtype for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    if type(error) is not RuntimeError or len(floating) < 2:
+        return False
+    common = torch.float32 if torch.float32 in floating else next(iter(floating))
+    try:
+        cast_args, cast_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: (t.to(common) if t.is_floating_point() else t), (args, kwargs))
+        fake_float_dtypes(fake, func, cast_args, cast_kwargs)
+    except Exception:
+        return False
+    return True
 
 
 def float_dtypes(value: Any) -> list[torch.dtype]:

@@ -34,9 +34,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from graphamp.backend.eager_check import output_difference
-from graphamp.backend.observe import Frame, fake_float_dtypes, run_frame
+from graphamp.backend.observe import Frame, fake_float_dtypes, refused_for_two_dtypes, run_frame
 from graphamp.errors import CheckSkippedWarning, EagerPathWarning, GraphBreakError
 from graphamp.spec import ambient_autocast, autocast_off
 
@@ -197,9 +198,13 @@ class _AsCompiled(TorchFunctionMode):
         self.nesting = 0
         self.eager_from = _eager_regions(current)
         self.skipped: dict[types.CodeType, bool] = {}  # dynamo compiles nothing while the replay runs
+        self.outside: set[int] = set()
+        # Each tensor computed in a frame dynamo has yet to trace: (that frame, its dtype in the trace).
+        self.traced: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __enter__(self) -> Any:
         self.nesting = _autocast_nesting()
+        self.outside = set(map(id, _stack(sys._getframe(1))))  # frames above the replay
         return super().__enter__()
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -211,8 +216,52 @@ class _AsCompiled(TorchFunctionMode):
             if self.changed is None and self._autocast_changes(func, args, kwargs):
                 self.changed = f"{getattr(func, '__name__', func)} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
             return func(*args, **kwargs)
+        root = self._unseen_root(caller)
+        traced = self._traced_dtypes(func, args, kwargs, root, caller) if root is not None else None
         with ambient_autocast(self.device_type, self.dtype, cache_enabled=self.cache_enabled):
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if traced is not None:
+            for t, d in zip((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()), traced):
+                self.traced[t] = (root, d)
+        return out
+
+    def _unseen_root(self, caller: types.FrameType | None) -> types.FrameType | None:
+        """The frame dynamo will trace ``caller``'s code in, where dynamo has not seen it yet: the
+        outermost model frame above ``caller`` (itself included) that code run eagerly calls, within
+        the replay; None where dynamo saw that frame's code already (it traced it, with its graphs
+        and checks) or there is none."""
+        root, f = None, caller
+        while f is not None and id(f) not in self.outside:
+            if _model_code(f.f_code):
+                if self._runs_eagerly(f):
+                    break
+                root = f
+            f = f.f_back
+        input_codes, _, _ = _dynamo_codes()
+        return root if root is not None and root.f_code not in input_codes else None
+
+    def _traced_dtypes(self, func: Any, args: tuple, kwargs: dict, root: types.FrameType, caller: types.FrameType) -> list[torch.dtype] | None:
+        """The floating dtypes the call returns in dynamo's trace of ``root`` (without autocast, each
+        tensor computed in that frame in the dtype the trace gave it, others as they are); None where
+        fake propagation cannot say. Raises :class:`_TraceRefuses` where the trace refuses the call
+        for its tensors' two dtypes, as dynamo's will."""
+
+        def as_traced(t: torch.Tensor) -> torch.Tensor:
+            at, dtype = self.traced.get(t, (None, t.dtype))
+            return t.to(dtype) if at is root and dtype != t.dtype else t
+
+        traced_args, traced_kwargs = pytree.tree_map_only(torch.Tensor, as_traced, (args, kwargs))
+        try:
+            return fake_float_dtypes(self.fake, func, traced_args, traced_kwargs)
+        except Exception as e:
+            if refused_for_two_dtypes(self.fake, func, traced_args, traced_kwargs, e):
+                first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+                raise _TraceRefuses(
+                    f"dynamo's trace of {_name(root.f_code, root.f_locals.get('self'))}, called from that code and traced "
+                    f"without autocast, refuses {getattr(func, '__name__', func)} on {os.path.basename(caller.f_code.co_filename)}:"
+                    f"{caller.f_lineno}: {first}"
+                ) from e
+            return None
 
     def _runs_eagerly(self, f: types.FrameType) -> bool:
         code = f.f_code
@@ -236,6 +285,19 @@ class _AsCompiled(TorchFunctionMode):
         except Exception:  # fake propagation cannot say
             return False
         return off != on
+
+
+class _TraceRefuses(RuntimeError):
+    """Dynamo's trace, without autocast, of code the skipped code calls refuses a call for its
+    tensors' two floating dtypes: torch.compile will raise there."""
+
+
+def _stack(f: types.FrameType | None) -> list[types.FrameType]:
+    found = []
+    while f is not None:
+        found.append(f)
+        f = f.f_back
+    return found
 
 
 def _skipped(code: types.CodeType, current: types.CodeType | None) -> bool:
