@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphamp.backend.eager_check import output_difference
-from graphamp.backend.observe import Frame, fake_float_dtypes, refused_for_two_dtypes, run_frame
+from graphamp.backend.observe import Frame, dtype_constants, dtype_limits, fake_float_dtypes, refused_for_two_dtypes, run_frame
 from graphamp.errors import CheckSkippedWarning, EagerPathWarning, GraphBreakError
 from graphamp.spec import ambient_autocast, autocast_off
 
@@ -220,37 +220,60 @@ class _AsCompiled(TorchFunctionMode):
         traced = self._traced_dtypes(func, args, kwargs, root, caller) if root is not None else None
         with ambient_autocast(self.device_type, self.dtype, cache_enabled=self.cache_enabled):
             out = func(*args, **kwargs)
-        if traced is not None:
-            for t, d in zip((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()), traced):
+        if root is not None:  # each tensor it returns: its traced dtype, or None where not known
+            floating = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            for t, d in zip(floating, traced if traced is not None and len(traced) == len(floating) else [None] * len(floating)):
                 self.traced[t] = (root, d)
         return out
 
     def _unseen_root(self, caller: types.FrameType | None) -> types.FrameType | None:
-        """The frame dynamo will trace ``caller``'s code in, where dynamo has not seen it yet: the
-        outermost model frame above ``caller`` (itself included) that code run eagerly calls, within
-        the replay; None where dynamo saw that frame's code already (it traced it, with its graphs
-        and checks) or there is none."""
-        root, f = None, caller
+        """The frame dynamo will trace ``caller``'s code in, where dynamo has not seen it yet; None
+        where that code runs eagerly, dynamo saw the frame's code already (it traced it, with its
+        graphs and checks), or there is none. From the replay's top down: a frame called from code
+        run eagerly, or from a traced frame at one of its graph breaks, is a frame of its own (traced,
+        or run eagerly where dynamo skips its code); one a traced frame calls elsewhere is inlined."""
+        frames = []
+        f = caller
         while f is not None and id(f) not in self.outside:
             if _model_code(f.f_code):
-                if self._runs_eagerly(f):
-                    break
-                root = f
+                frames.append(f)
             f = f.f_back
+        root: types.FrameType | None = None
+        parent: types.FrameType | None = None
+        for f in reversed(frames):
+            if parent is None or root is None or parent.f_lineno in self._break_lines(parent.f_code):
+                root = None if self._runs_eagerly(f) else f
+            parent = f
         input_codes, _, _ = _dynamo_codes()
         return root if root is not None and root.f_code not in input_codes else None
+
+    def _break_lines(self, code: types.CodeType) -> set[int]:
+        """The lines where dynamo resumed ``code`` after a graph break."""
+        return {line for line, _ in self.eager_from.get(code, ())}
 
     def _traced_dtypes(self, func: Any, args: tuple, kwargs: dict, root: types.FrameType, caller: types.FrameType) -> list[torch.dtype] | None:
         """The floating dtypes the call returns in dynamo's trace of ``root`` (without autocast, each
         tensor computed in that frame in the dtype the trace gave it, others as they are); None where
-        fake propagation cannot say. Raises :class:`_TraceRefuses` where the trace refuses the call
-        for its tensors' two dtypes, as dynamo's will."""
+        this run cannot say: fake propagation cannot, a tensor's traced dtype is not known, or the call
+        passes autocast's dtype as a constant (the model's Python read it from a tensor here, where the
+        trace reads fp32). Raises :class:`_TraceRefuses` where the trace refuses the call for its
+        tensors' two dtypes, as dynamo's will."""
+        known = True
 
         def as_traced(t: torch.Tensor) -> torch.Tensor:
+            nonlocal known
             at, dtype = self.traced.get(t, (None, t.dtype))
-            return t.to(dtype) if at is root and dtype != t.dtype else t
+            if at is not root:
+                return t
+            if dtype is None:
+                known = False
+                return t
+            return t.to(dtype) if dtype != t.dtype else t
 
         traced_args, traced_kwargs = pytree.tree_map_only(torch.Tensor, as_traced, (args, kwargs))
+        limits = dtype_limits(self.dtype)
+        if not known or any(c is self.dtype or (type(c) is float and c in limits) for c in dtype_constants(args, kwargs)):
+            return None
         try:
             return fake_float_dtypes(self.fake, func, traced_args, traced_kwargs)
         except Exception as e:
