@@ -194,6 +194,12 @@ CITED = (
           ".venv/bin/python benchmarks/census.py --only '^hf/(qwen3_5_vision|qwen3_5_moe_vision|qwen3_vl_vision|"
           "qwen3_vl_moe_vision|qwen4_exp_vision)$' --checks backend,backend_autocast --jobs 1 --timeout 900 --out "
           "benchmarks/results/census-cddcd1a-recheck.jsonl"),
+    Cited("census-dc856ca-recheck.jsonl", "SAM3's backend, checked again at a later commit", "dc856ca",
+          "transformers' SAM3, whose backend check outside `torch.autocast` failed silently in the census above "
+          "(dynamo's own error), run again at a later graphamp commit on the same machine: other inputs after "
+          "conversion, batch, and the backend outside and inside `torch.autocast`.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/(sam3)$' --checks inputs,batch,backend,backend_autocast "
+          "--jobs 1 --timeout 1500 --out benchmarks/results/census-dc856ca-recheck.jsonl"),
 )
 
 # README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
