@@ -197,6 +197,8 @@ class _AsCompiled(TorchFunctionMode):
         self.fake = FakeTensorMode()
         self.nesting = 0
         self.eager_from = _eager_regions(current)
+        self.break_lines = {code: {line for line, _ in starts} for code, starts in self.eager_from.items()}  # where dynamo resumed each code
+        self.limits = dtype_limits(dtype)
         self.skipped: dict[types.CodeType, bool] = {}  # dynamo compiles nothing while the replay runs
         self.outside: set[int] = set()
         # Each tensor computed in a frame dynamo has yet to trace: (that frame, its dtype in the trace).
@@ -241,15 +243,11 @@ class _AsCompiled(TorchFunctionMode):
         root: types.FrameType | None = None
         parent: types.FrameType | None = None
         for f in reversed(frames):
-            if parent is None or root is None or parent.f_lineno in self._break_lines(parent.f_code):
+            if parent is None or root is None or parent.f_lineno in self.break_lines.get(parent.f_code, ()):
                 root = None if self._runs_eagerly(f) else f
             parent = f
         input_codes, _, _ = _dynamo_codes()
         return root if root is not None and root.f_code not in input_codes else None
-
-    def _break_lines(self, code: types.CodeType) -> set[int]:
-        """The lines where dynamo resumed ``code`` after a graph break."""
-        return {line for line, _ in self.eager_from.get(code, ())}
 
     def _traced_dtypes(self, func: Any, args: tuple, kwargs: dict, root: types.FrameType, caller: types.FrameType) -> list[torch.dtype] | None:
         """The floating dtypes the call returns in dynamo's trace of ``root`` (without autocast, each
@@ -270,9 +268,10 @@ class _AsCompiled(TorchFunctionMode):
                 return t
             return t.to(dtype) if dtype != t.dtype else t
 
+        if any(c is self.dtype or (type(c) is float and c in self.limits) for c in dtype_constants(args, kwargs)):
+            return None
         traced_args, traced_kwargs = pytree.tree_map_only(torch.Tensor, as_traced, (args, kwargs))
-        limits = dtype_limits(self.dtype)
-        if not known or any(c is self.dtype or (type(c) is float and c in limits) for c in dtype_constants(args, kwargs)):
+        if not known:
             return None
         try:
             return fake_float_dtypes(self.fake, func, traced_args, traced_kwargs)
