@@ -25,7 +25,9 @@ already compared (on the example); these do not:
   ``graphamp.verify_export`` (eval, no_grad);
 - ``backend_autocast``: the backend called inside ``torch.autocast``. Both backend checks count the
   calls of graphamp's backend (dynamo silently runs a frame eagerly past its recompile limit, which
-  they raise): "backend not called" is an error, never bitwise.
+  they raise): "backend not called" is an error, never bitwise. Where the backend fails with an
+  error that is not graphamp's and plain ``torch.compile(model, backend="eager")`` (dynamo alone)
+  fails too, the check is skipped with both errors: dynamo's own limit, no evidence on graphamp.
 
 A check ends ``bitwise``, ``differ`` (max abs diff, first differing output or gradient, dtype
 mismatches), ``error`` (type and first line) or ``skipped`` (why); a check of cases (inputs, export)
@@ -489,7 +491,9 @@ def _counting_backend() -> tuple[Callable[..., Any], list[int]]:
 def _backend_run(s: Subject, dtype: Any, *, ambient: bool) -> dict[str, Any]:
     """``torch.compile(model, backend="graphamp", options={"inner": "eager"})`` on the example, called
     inside ``torch.autocast`` when ``ambient``, against eager autocast. An error where graphamp's
-    backend was never called: dynamo ran the model eagerly, so equality would prove nothing."""
+    backend was never called: dynamo ran the model eagerly, so equality would prove nothing.
+    Skipped, with both errors, where plain ``torch.compile`` fails the same way without graphamp."""
+    import graphamp
     import torch
 
     torch._dynamo.reset()
@@ -507,12 +511,47 @@ def _backend_run(s: Subject, dtype: Any, *, ambient: bool) -> dict[str, Any]:
     try:
         with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(limit * 16, torch._dynamo.config.accumulated_recompile_limit)):
             out, _ = s.run(call, census_models.BATCH, grads=False)
+    except Exception as e:
+        if isinstance(e, graphamp.GraphampError) or isinstance(getattr(e, "inner_exception", None), graphamp.GraphampError):
+            raise
+        plain = _plain_compile_error(s, ambient=ambient, dtype=dtype)
+        if plain is None:
+            raise
+        ours = _error(e)
+        raise Skipped(f"torch.compile itself fails on this model without graphamp ({plain}); "
+                      f"with graphamp: {ours['type']}: {ours['message']}") from e
     finally:
         torch._dynamo.reset()
     if not calls:
         return {"status": "error", "type": "BackendNotCalled", "reported": False, "where": "",
                 "message": "backend not called: dynamo ran the model eagerly without calling graphamp's backend (a recompile limit, or every frame skipped)"}
     return {**_verdict(compare_outputs(out, ref)), "graphs": len(calls), "graph_nodes": sum(calls)}
+
+
+def _plain_compile_error(s: Subject, *, ambient: bool, dtype: Any) -> str | None:
+    """Where graphamp's backend failed with an error that is not graphamp's: the error of plain
+    ``torch.compile(model, backend="eager")`` (dynamo alone, no graphamp) called the same way
+    (inside ``torch.autocast`` when ``ambient``, else in fp32), or None where that runs. A model
+    dynamo itself cannot compile is no evidence about graphamp's backend: the check is skipped."""
+    import torch
+
+    torch._dynamo.reset()
+    compiled = torch.compile(s.model, backend="eager")
+
+    def call(*a: Any, **k: Any) -> Any:
+        if ambient:
+            with torch.autocast("cpu", dtype=dtype):
+                return compiled(*a, **k)
+        return compiled(*a, **k)
+
+    try:
+        s.run(call, census_models.BATCH, grads=False)
+    except Exception as e:
+        err = _error(e)
+        return f"backend='eager'{' inside torch.autocast' if ambient else ''}: {err['type']}: {err['message']}"
+    finally:
+        torch._dynamo.reset()
+    return None
 
 
 def check_backend(s: Subject, dtype: Any) -> dict[str, Any]:

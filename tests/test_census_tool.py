@@ -334,6 +334,57 @@ def test_a_backend_dynamo_never_called_is_an_error(monkeypatch: pytest.MonkeyPat
     assert (result["status"], result["type"], result["reported"]) == ("error", "BackendNotCalled", False), result
 
 
+_NO_FAKE = None
+
+
+def _dynamo_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model, ending in an op whose fake kernel raises: eager runs it, dynamo cannot trace
+    it (its untyped TorchRuntimeError, as transformers' UDOP gives), with or without graphamp."""
+    import torch
+
+    global _NO_FAKE
+    if _NO_FAKE is None:
+        _NO_FAKE = torch.library.custom_op("census_test::no_fake", lambda x: x.clone(), mutates_args=(),
+                                           schema="(Tensor x) -> Tensor")
+
+        @_NO_FAKE.register_fake
+        def _(x):
+            raise RuntimeError("no fake kernel for this input")
+    no_fake = _NO_FAKE
+
+    def built(name: str, attempt: int = 0):
+        b = _tiny_built(name, attempt)
+        forward = b.model.forward
+        b.model.forward = lambda *a, **k: {key: no_fake(v) for key, v in forward(*a, **k).items()}
+        return b
+
+    _tiny_population(monkeypatch)
+    monkeypatch.setattr(census.census_models, "build", built)
+
+
+def test_a_model_dynamo_itself_cannot_compile_skips_the_backend_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    _dynamo_refuses(monkeypatch)
+    data = census.run_model("test/tiny", ("backend", "backend_autocast"))
+    for check in ("backend", "backend_autocast"):
+        result = data["checks"][check]
+        assert result["status"] == "skipped", result
+        assert result["reason"].startswith("torch.compile itself fails on this model without graphamp (backend='eager'"), result
+        assert "TorchRuntimeError" in result["reason"] and "with graphamp: " in result["reason"], result
+    assert "inside torch.autocast" in data["checks"]["backend_autocast"]["reason"]
+
+
+def test_a_backend_error_plain_dynamo_does_not_share_stays_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _tiny_population(monkeypatch)
+
+    def failing(gm, example_inputs, **kwargs):
+        raise RuntimeError("a bug of the backend's")
+
+    monkeypatch.setattr(census, "_counting_backend", lambda: (failing, [1]))
+    result = census.run_model("test/tiny", ("backend",))["checks"]["backend"]
+    assert (result["status"], result["type"], result["reported"]) == ("error", "RuntimeError", False), result
+    assert "a bug of the backend's" in result["message"], result
+
+
 def test_the_new_checks_see_a_module_that_differs_from_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     import graphamp
     import torch
