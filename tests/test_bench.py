@@ -40,6 +40,16 @@ def test_the_recommendation_names_the_fastest_at_autocasts_accuracy():
     assert line.startswith("bert (infer, bf16): use graphamp_compiled (50 ms): 1.20x faster than the fastest alternative, compile_fp32_freezing")
 
 
+def test_the_recommendation_says_when_the_order_is_within_noise():
+    rows = [_row("autocast", 23.4), _row("graphamp_compiled", 23.1)]
+    (rows[0].p10_ms, rows[0].p90_ms), (rows[1].p10_ms, rows[1].p90_ms) = (21.9, 25.2), (22.6, 23.6)
+    line = bench.recommendation(rows)
+    assert line == ("bert (infer, bf16): use graphamp_compiled (23.1 ms): 1.01x faster than the fastest alternative, autocast "
+                    "(23.4 ms), at autocast's accuracy or better (within this run's noise: their p10-p90 ranges overlap).")
+    rows[0].p10_ms = 23.7  # apart: the order stands
+    assert bench.recommendation(rows).endswith("at autocast's accuracy or better.")
+
+
 def test_a_budgeted_variant_is_recommended_only_at_autocasts_accuracy():
     rows = [_row("fp32", 80.0), _row("autocast", 500.0), _row("compile_fp32", 60.0), _row("graphamp_budget_compiled", 40.0)]
     rows[-1].err_vs_fp32, rows[-1].autocast_err_vs_fp32 = 0.002, 0.001  # within its budget, less accurate than autocast

@@ -110,12 +110,13 @@ def recommendation(rows: list[Row]) -> str:
         if best.variant in ALTERNATIVES and fastest_ours is not None:
             lines.append(
                 f"{head}, the fastest here at autocast's accuracy or better; graphamp's fastest, {fastest_ours.variant}, "
-                f"takes {fastest_ours.median_ms / best.median_ms:.2f}x its time."
+                f"takes {fastest_ours.median_ms / best.median_ms:.2f}x its time{_within_noise(best, fastest_ours)}."
             )
         elif fastest_alt is not None:
             lines.append(
                 f"{head}: {fastest_alt.median_ms / best.median_ms:.2f}x faster than the fastest alternative, "
-                f"{fastest_alt.variant} ({fastest_alt.median_ms:.3g} ms), at autocast's accuracy or better."
+                f"{fastest_alt.variant} ({fastest_alt.median_ms:.3g} ms), at autocast's accuracy or better"
+                f"{_within_noise(best, fastest_alt)}."
             )
         else:
             lines.append(f"{head}, the fastest of the variants run.")
@@ -128,6 +129,13 @@ def recommendation(rows: list[Row]) -> str:
                 f"{_fmt(r.autocast_err_vs_fp32, '.3g')}."
             )
     return "\n".join(lines)
+
+
+def _within_noise(a: Row, b: Row) -> str:
+    """Where two rows' p10-p90 ranges overlap, the words that say their order is not settled."""
+    if None in (a.p10_ms, a.p90_ms, b.p10_ms, b.p90_ms) or a.p90_ms < b.p10_ms or b.p90_ms < a.p10_ms:
+        return ""
+    return " (within this run's noise: their p10-p90 ranges overlap)"
 
 
 def _as_accurate_as_autocast(row: Row) -> bool:
