@@ -8,6 +8,7 @@ where that code fails, and stays silent where the skipped code changes nothing.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -224,25 +225,55 @@ class SkipsWithNoGraphBelow(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_skipped_rest_with_no_graph_below_is_named_from_the_second_call(dtype):
-    torch.manual_seed(0)
-    model, x = SkipsWithNoGraphBelow("linear_fp32").eval(), torch.randn(2, 8)
-    cm = compiled(model, dtype)
+def _said_per_call(cm, x, calls: int = 3) -> list[list[str]]:
     said = []
-    for _ in range(3):
+    for _ in range(calls):
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
             out = cm(x)
         said.append([str(w.message) for w in _dynamo_runs(caught)])
-    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
-        ref = model(x)
-    assert out.dtype == torch.float32 and ref.dtype == dtype  # what the warning says
-    assert said[0] == [] and said[2] == [], said  # dynamo decides on the first call; named once
-    assert len(said[1]) == 1, said
-    message = said[1][0]
+    assert out.dtype == torch.float32  # what the warning says
+    return said
+
+
+def _names_the_skipped_rest(message: str, dtype) -> None:
     assert "dynamo runs SkipsWithNoGraphBelow.forward (test_backend_skipped_code.py from line" in message, message
     assert f"output (tensor #0): torch.float32 where eager autocast gives {dtype}" in message, message
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_skipped_rest_with_no_graph_below_is_named_as_the_first_call_returns(dtype):
+    torch.manual_seed(0)
+    model, x = SkipsWithNoGraphBelow("linear_fp32").eval(), torch.randn(2, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        assert model(x).dtype == dtype
+    said = _said_per_call(compiled(model, dtype), x)
+    # dynamo decides to skip the rest during the first call, after graphamp's graph ran: the check
+    # runs as that call returns, named once
+    assert len(said[0]) == 1 and said[1:] == [[], []], said
+    _names_the_skipped_rest(said[0][0], dtype)
+    assert sys.getprofile() is None  # the one-shot hook is gone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_under_a_profiler_the_skipped_rest_is_named_from_the_second_call(dtype):
+    torch.manual_seed(0)
+    model, x = SkipsWithNoGraphBelow("linear_fp32").eval(), torch.randn(2, 8)
+    cm = compiled(model, dtype)
+    events = []
+
+    def profiler(frame, event, arg):  # the user's own, holding sys.setprofile: left alone
+        events.append(event)
+
+    sys.setprofile(profiler)
+    try:
+        said = _said_per_call(cm, x)
+    finally:
+        held = sys.getprofile()
+        sys.setprofile(None)
+    assert held is profiler and events
+    assert said[0] == [] and len(said[1]) == 1 and said[2] == [], said
+    _names_the_skipped_rest(said[1][0], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

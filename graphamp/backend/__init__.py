@@ -54,7 +54,7 @@ from graphamp.backend.retrace import _retrace
 from graphamp.backend.fill_values import check_fill_values
 from graphamp.backend.handover import check_handover
 from graphamp.backend.break_calls import check_break_calls
-from graphamp.backend.skipped_code import check_skipped_code, rest_checker
+from graphamp.backend.skipped_code import after_compiled_call, check_skipped_code, rest_checker
 from graphamp.backend.options import INNER_COMPILERS
 from graphamp.backend.weight_casts import share_parameter_casts
 from graphamp.backend.inductor import inductor_patches
@@ -121,7 +121,7 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
         if opts.self_check and graph_break_site(gm) is not None:
             # The instruction dynamo runs eagerly at the break, without autocast.
             check_break_calls(gm, frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
-            # The rest of the frame after the break, where dynamo skips it on the first call.
+            # The rest of the frame after the break, where dynamo skips it during the first call.
             check_rest = rest_checker(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
         if opts.self_check:
             # Code dynamo skipped, above this frame, runs eagerly in fp32 (graphamp.backend.skipped_code).
@@ -155,7 +155,7 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
             device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled, grads=not inference,
         )
     # After the self-check's calls: the model's first call is this graph's first.
-    return compiled if check_rest is None else _on_second_call(compiled, check_rest)
+    return compiled if check_rest is None else _checked_after_first_call(compiled, check_rest)
 
 
 def rewrite(
@@ -271,12 +271,16 @@ def _run_without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
     return _called_as(run, fn)
 
 
-def _on_second_call(fn: Callable[..., Any], check: Callable[[], None]) -> Callable[..., Any]:
-    """``fn``, running ``check`` first on its second call."""
+def _checked_after_first_call(fn: Callable[..., Any], check: Callable[[], None]) -> Callable[..., Any]:
+    """``fn``, running ``check`` as the compiled call of its first call returns, and again (a no-op
+    where that ran) before its second call: where a profiler holds ``sys.setprofile``."""
     calls = itertools.count()
 
     def run(*args: Any) -> Any:
-        if next(calls) == 1:
+        n = next(calls)
+        if n == 0:
+            after_compiled_call(check)
+        elif n == 1:
             check()
         return fn(*args)
 

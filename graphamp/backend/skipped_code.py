@@ -15,7 +15,8 @@ calls, without autocast). Where the second run fails, :class:`graphamp.GraphBrea
 returns other values and the skipped code ran an op autocast would have run in another dtype, an
 ``EagerPathWarning`` naming the outputs. Once per skipped code and model. Where no graph compiles
 below the skipped rest of a frame, dynamo skips it on the first call, after the graph before its
-break ran: that graph checks it on its second call (:func:`rest_checker`).
+break ran: that graph checks it as that first call returns (:func:`rest_checker`,
+:func:`after_compiled_call`), or on its second call where a profiler holds ``sys.setprofile``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from graphamp.backend.observe import Frame, dtype_constants, dtype_limits, fake_
 from graphamp.errors import CheckSkippedWarning, EagerPathWarning, GraphBreakError
 from graphamp.spec import ambient_autocast, autocast_off
 
-__all__ = ["check_skipped_code", "rest_checker", "skipped_frames"]
+__all__ = ["after_compiled_call", "check_skipped_code", "rest_checker", "skipped_frames"]
 
 # Code of these directories is not the model's: an op called from torch's modules (nn.Conv2d.forward)
 # runs as the model code that called it does.
@@ -82,16 +83,40 @@ def skipped_frames(current: types.CodeType | None) -> list[types.FrameType]:
     return found
 
 
-def _compile_entry() -> tuple[Callable[..., Any], tuple, dict[str, Any]] | None:
-    """The callable ``torch.compile`` wrapped and the arguments of the call being compiled now."""
+def _entry_frame() -> types.FrameType | None:
+    """The frame of ``torch.compile``'s wrapper for the call running now."""
     f = sys._getframe(1)
     while f is not None:
         if f.f_code.co_name == "compile_wrapper" and f.f_code.co_filename.endswith(os.path.join("_dynamo", "eval_frame.py")):
             loc = f.f_locals
             if callable(loc.get("fn")) and isinstance(loc.get("args"), tuple) and isinstance(loc.get("kwargs"), dict):
-                return loc["fn"], loc["args"], loc["kwargs"]
+                return f
         f = f.f_back
     return None
+
+
+def _compile_entry() -> tuple[Callable[..., Any], tuple, dict[str, Any]] | None:
+    """The callable ``torch.compile`` wrapped and the arguments of the call being compiled now."""
+    f = _entry_frame()
+    return None if f is None else (f.f_locals["fn"], f.f_locals["args"], f.f_locals["kwargs"])
+
+
+def after_compiled_call(check: Callable[[], None]) -> bool:
+    """Run ``check`` as the ``torch.compile``'d call running now returns, after dynamo has run (and
+    decided to skip) the rest of its frames: a one-shot ``sys.setprofile`` hook on that call's entry
+    frame, in this thread, removed before ``check`` runs. False, and nothing set, where there is no
+    such frame or a profiler already holds ``sys.setprofile``."""
+    entry = _entry_frame()
+    if entry is None or sys.getprofile() is not None:
+        return False
+
+    def on_return(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "return" and frame is entry:
+            sys.setprofile(None)
+            check()
+
+    sys.setprofile(on_return)
+    return True
 
 
 def check_skipped_code(current: Frame | None, *, device_type: str, dtype: torch.dtype, cache_enabled: bool = True) -> None:
@@ -105,9 +130,10 @@ def check_skipped_code(current: Frame | None, *, device_type: str, dtype: torch.
 
 
 def rest_checker(current: Frame | None, *, device_type: str, dtype: torch.dtype, cache_enabled: bool = True) -> Callable[[], None] | None:
-    """For a graph that ends at a graph break: what checks, from its second call on, the rest of its
-    frame where dynamo runs that rest eagerly and no graph compiles below it (dynamo decides on the
-    first call, after this graph ran). Raises or warns as :func:`check_skipped_code`."""
+    """For a graph that ends at a graph break: what checks, once the compiled call that ran this graph
+    has returned, the rest of its frame where dynamo runs that rest eagerly and no graph compiles
+    below it (dynamo decides on the first call, after this graph ran). Raises or warns as
+    :func:`check_skipped_code`."""
     code = getattr(getattr(current, "fn", None), "__code__", None)
     if code is None:
         return None
