@@ -200,6 +200,16 @@ CITED = (
           "conversion, batch, and the backend outside and inside `torch.autocast`.",
           ".venv/bin/python benchmarks/census.py --only '^hf/(sam3)$' --checks inputs,batch,backend,backend_autocast "
           "--jobs 1 --timeout 1500 --out benchmarks/results/census-dc856ca-recheck.jsonl"),
+    Cited("census-2fee1b4-recheck.jsonl", "Three more silent findings, checked again at a later commit", "2fee1b4",
+          "SuperPoint's backend outside `torch.autocast`, UDOP's backend outside and inside it (dynamo's own error "
+          "in the census above) and T5Gemma2's backend inside it (dynamo's internal `KeyError` above), run again at "
+          "a later graphamp commit on **another machine** (an Intel Xeon with AMX-bf16 and avx512_fp16, against "
+          "eager autocast on that machine). At this commit a backend check whose error is not graphamp's is "
+          "skipped, with both errors, where plain `torch.compile(model, backend=\"eager\")` fails the same way "
+          "without graphamp.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/(superpoint|udop|t5gemma2)$' --checks "
+          "inputs,batch,backend,backend_autocast --jobs 1 --timeout 1500 --out "
+          "benchmarks/results/census-2fee1b4-recheck.jsonl"),
 )
 
 # README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
