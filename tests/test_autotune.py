@@ -305,6 +305,33 @@ def test_fused_encoder_layers_are_candidates_too():
         assert torch.equal(kept(x), model(x))
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_a_fused_layer_raised_after_one_kept_low_gets_its_input_in_fp32(dtype):
+    """Autotune raises layers 0 and 2 and keeps layer 1 under autocast, whose fused kernel returns
+    the low dtype (fake propagation says fp32: the kernel casts inside): layer 2's input is cast up.
+    (It called layer 2's kernel on a low-precision input and fp32 weights: "expected m1 and m2 to
+    have the same dtype", on nn.TransformerEncoder in fp16 on an Intel Xeon with avx512_fp16.)"""
+    import dataclasses
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 6, 32)
+    plan = graphamp.AutotunePlan.of(autotuned(model, (x,), FakeTimer(fp32_faster), dtype=dtype, inference=True))
+    first, second, third = plan.decisions
+    mixed = dataclasses.replace(plan, decisions={first: torch.float32, second: dtype, third: torch.float32})
+    amp = graphamp.convert(model, (x,), dtype=dtype, mode="autotune", inference=True, config=graphamp.Config(plan=mixed))
+    for inp in (x, torch.randn(3, 5, 32)):
+        with torch.no_grad():
+            h = model.layers[0](inp)
+            with torch.autocast("cpu", dtype=dtype):
+                h = model.layers[1](h)
+            assert h.dtype is dtype
+            want = model.layers[2](h.float())
+        got = amp(inp)
+        assert got.dtype is torch.float32 and torch.equal(got, want)
+
+
 def test_a_tie_keeps_autocasts_choice():
     model, (x,) = mlp()
     amp = autotuned(model, (x,), FakeTimer(lambda trial: 1.0))
@@ -486,6 +513,30 @@ def test_a_raised_program_less_accurate_than_autocast_on_the_example_is_undone()
     with torch.autocast("cpu", dtype=BF16):
         assert torch.equal(amp(x), model(x))
     assert "raises undone" in plan.summary()
+
+
+def test_a_tuned_program_that_raises_on_the_example_is_never_kept(monkeypatch):
+    """The accuracy check runs the tuned program: where it raises (as a fused layer fed the wrong
+    dtype did), its error is infinite and the raises are undone; it was kept, "error not checked"."""
+    from graphamp.autotune import accuracy
+
+    real = accuracy.outputs_and_grads_of
+
+    def tuned_programs_raise(program, model, *rest):
+        if program is not model:
+            raise RuntimeError("expected m1 and m2 to have the same dtype")
+        return real(program, model, *rest)
+
+    monkeypatch.setattr(accuracy, "outputs_and_grads_of", tuned_programs_raise)
+    torch.manual_seed(0)
+    model, x = Cancels().eval(), torch.randn(4, 8)
+    amp = autotuned(model, (x,), FakeTimer(linear_fp32_faster()), check_accuracy=True)
+    plan = graphamp.AutotunePlan.of(amp)
+    assert plan.raised == (), plan.accuracy
+    assert plan.accuracy == ("raises undone: with 1 op(s) raised, the tuned program raised on the example "
+                             "(RuntimeError: expected m1 and m2 to have the same dtype)"), plan.accuracy
+    with torch.autocast("cpu", dtype=BF16):
+        assert torch.equal(amp(x), model(x))
 
 
 def test_a_raised_op_reads_the_fp32_input_its_shared_cast_was_made_from():

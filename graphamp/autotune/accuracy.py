@@ -47,15 +47,19 @@ def no_less_accurate(
     if plan is None or not plan.raised:
         return amp
     start = time.perf_counter()
+    failed: dict[str, str] = {}
     try:
-        measured = errors_against_fp32({"plan": amp}, model, args, kwargs, spec)
+        measured = errors_against_fp32({"plan": amp}, model, args, kwargs, spec, failed)
         err_tuned, err_low = measured["plan"], measured["autocast"]
         over = "outputs and gradients" if checked_params(model, spec) else "outputs"
         errors = f"relative RMS error vs fp32 on the example ({over}) {err_tuned:.3g}, eager autocast's {err_low:.3g}"
-        if err_tuned <= err_low:
+        if "plan" in failed:
+            errors = f"the tuned program raised on the example ({failed['plan']})"
+        if err_tuned <= err_low and "plan" not in failed:
             graph_info(amp).plan = dataclasses.replace(plan, accuracy=errors, check_s=time.perf_counter() - start)
             return amp
     except Exception as e:  # the check is advisory: a model that cannot run eagerly keeps its plan
+        # (the tuned program's own failure is measured, above, as an infinite error)
         graph_info(amp).plan = dataclasses.replace(
             plan, accuracy=f"error not checked ({type(e).__name__}: {str(e)[:120]})", check_s=time.perf_counter() - start
         )
@@ -82,15 +86,25 @@ def no_less_accurate(
     return again
 
 
-def errors_against_fp32(programs: dict[str, nn.Module], model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec) -> dict[str, float]:
+def errors_against_fp32(
+    programs: dict[str, nn.Module], model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec,
+    failures: dict[str, str] | None = None,
+) -> dict[str, float]:
     """:func:`relative_error` of each program on the example against the model in fp32, and of eager
-    autocast under the key ``"autocast"``: the measure of :func:`no_less_accurate`."""
+    autocast under the key ``"autocast"``: the measure of :func:`no_less_accurate`. Raises where the
+    model cannot run eagerly; a program that raises on the example measures ``inf`` (never kept),
+    its error in words in ``failures``."""
     params = checked_params(model, spec)
     ref = outputs_and_grads_of(model, model, args, kwargs, params)
     with ambient_autocast(spec.device_type, spec.dtype):
         errors = {"autocast": relative_error(outputs_and_grads_of(model, model, args, kwargs, params), ref)}
     for name, program in programs.items():
-        errors[name] = relative_error(outputs_and_grads_of(program, model, args, kwargs, params), ref)
+        try:
+            errors[name] = relative_error(outputs_and_grads_of(program, model, args, kwargs, params), ref)
+        except Exception as e:  # noqa: BLE001 (a program that cannot run on the example is never kept)
+            errors[name] = math.inf
+            if failures is not None:
+                failures[name] = f"{type(e).__name__}: {str(e).strip()[:120]}"
     return errors
 
 

@@ -39,7 +39,7 @@ from graphamp.runtime import autocast_op
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
 
-__all__ = ["fuse_encoder_layers"]
+__all__ = ["fuse_encoder_layers", "fused_value"]
 
 aten = torch.ops.aten
 FUSED = aten._transformer_encoder_layer_fwd.default
@@ -210,11 +210,7 @@ def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
                 fused = gm.graph.call_function(FUSED, (src, *args))
             else:
                 fused = gm.graph.call_function(autocast_op, (FUSED, spec.device_type, spec.dtype, src, *args))
-        # The fused kernel's output dtype: eager's, found on a two-token example with the real weights.
-        with torch.no_grad():
-            probe = torch.zeros(1, 2, args[0], device=src.meta["val"].device, dtype=src.meta["val"].dtype)
-            real = [attr_of(gm, a.target) if isinstance(a, Node) else a for a in args]
-            dtype = FUSED(probe, *real).dtype if raised else autocast_op(FUSED, spec.device_type, spec.dtype, probe, *real).dtype
+        dtype = _fused_dtype(gm, src.meta["val"], args, None if raised else (spec.device_type, spec.dtype))
         how = "with autocast off, as the config lists it fp32" if raised else "under autocast as eager runs it"
         fused.meta.update(carried_meta(
             out, category=None, dtype=dtype,
@@ -235,6 +231,27 @@ def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
         gm.graph.lint()
         gm.recompile()
     return PassResult(gm, modified)
+
+
+def _fused_dtype(gm: GraphModule, src: torch.Tensor, args: tuple, autocast: tuple[str, torch.dtype] | None) -> torch.dtype:
+    """The fused kernel's output dtype on an input like ``src`` (with ``autocast``: (device type,
+    dtype) on): eager's, found on a two-token example with the real weights. Under autocast the
+    kernel casts inside, which fake propagation does not model."""
+    with torch.no_grad():
+        probe = torch.zeros(1, 2, args[0], device=src.device, dtype=src.dtype)
+        real = [attr_of(gm, a.target) if isinstance(a, Node) else a for a in args]
+        return (FUSED(probe, *real) if autocast is None else autocast_op(FUSED, *autocast, probe, *real)).dtype
+
+
+def fused_value(node: Node, fake_mode: torch._subclasses.fake_tensor.FakeTensorMode) -> torch.Tensor:
+    """``meta["val"]`` of a fused layer run under autocast (``autocast_op(FUSED, ...)``) after its
+    input changed dtype (autotune raised the layer before it): the shape from fake propagation,
+    the dtype from eager's kernel (:func:`_fused_dtype`)."""
+    val = recompute_val(node, fake_mode)
+    _, device_type, dtype, src, *args = node.args
+    out = _fused_dtype(node.graph.owning_module, src.meta["val"], tuple(args), (device_type, dtype))  # real, not fake
+    with fake_mode:
+        return torch.empty_like(val, dtype=out)
 
 
 def _refresh_after(node: Node, fake_mode: torch._subclasses.fake_tensor.FakeTensorMode) -> None:

@@ -32,6 +32,8 @@ from graphamp.config import Config
 from graphamp.errors import BannedOpError, PromoteTypeError
 from graphamp.passes.classify import Decision, classify, location
 from graphamp.passes.decompose import Decomposer
+from graphamp.passes.fuse_encoder_layers import FUSED, fused_value
+from graphamp.runtime import autocast_op
 from graphamp.passes.graph_edit import (
     dtypes_of,
     fake_mode_of,
@@ -137,7 +139,8 @@ class _Rewriter:
             edited = self.apply_policy(node) or self.stale(node)
         if edited or node in self.fresh or any(a in self.dirty for a in node.all_input_nodes):
             old = dtypes_of(node.meta.get("val"))
-            node.meta["val"] = recompute_val(node, self.fake_mode)
+            fused = node.target is autocast_op and node.args[0] is FUSED
+            node.meta["val"] = fused_value(node, self.fake_mode) if fused else recompute_val(node, self.fake_mode)
             if dtypes_of(node.meta["val"]) != old:
                 self.dirty.add(node)
         return nxt
