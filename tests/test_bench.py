@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from graphamp import bench
 from graphamp.bench import progress as bench_progress, variants as bench_variants
@@ -15,13 +16,22 @@ from graphamp.cli import main
 from graphamp.hardware import assume_cpu_flags
 
 
-def test_the_default_variants_follow_the_cpu():
-    with assume_cpu_flags(["amx_bf16", "avx512_bf16"]):
+def test_the_default_variants_follow_the_measured_matmul_rates(monkeypatch):
+    rates = {torch.float32: 100.0, torch.bfloat16: 500.0, torch.float16: 105.0}  # as on a Xeon with AMX-bf16 and avx512_fp16
+    monkeypatch.setattr(bench.bench_limits, "gemm_rate", lambda dtype, n: rates[dtype])
+    with assume_cpu_flags(["amx_bf16", "avx512_bf16", "avx512_fp16"]):
         assert bench.default_variants("infer", "bf16") == ("fp32", "autocast", "compile_autocast_freezing", "graphamp_inference", "graphamp_compiled")
-        # fp16 is emulated without avx512_fp16/amx_fp16: compiled fp32 is the alternative to beat
+        # fp16 is native there but no faster than fp32: compiled fp32 is the alternative to beat
         assert bench.default_variants("train", "fp16") == ("fp32", "autocast", "compile_fp32", "graphamp", "graphamp_autotune")
+        assert bench.default_variants("infer", "fp16")[2] == "compile_fp32_freezing"
+
+    def unmeasured(dtype, n):
+        raise AssertionError("an emulated dtype is not timed")
+
+    monkeypatch.setattr(bench.bench_limits, "gemm_rate", unmeasured)
     with assume_cpu_flags([]):
         assert bench.default_variants("infer", "bf16")[2] == "compile_fp32_freezing"
+        assert not bench.low_matmul_faster(torch.bfloat16)
 
 
 def _row(variant: str, ms: float) -> Row:

@@ -65,30 +65,45 @@ from graphamp.bench.variants import (
 )
 
 __all__ = [
-    "ALTERNATIVES", "BENCH_MODELS", "DEFAULT_MODELS", "DTYPES", "PURE_LOW", "TASKS", "VARIANTS", "Row", "build_case", "default_variants",
-    "recommendation", "run", "table", "to_json",
+    "ALTERNATIVES", "BENCH_MODELS", "DEFAULT_MODELS", "DTYPES", "FASTER_RATIO", "PURE_LOW", "TASKS", "VARIANTS", "Row", "build_case",
+    "default_variants", "low_matmul_faster", "recommendation", "run", "table", "to_json",
 ]
 
 
-def default_variants(task: str, dtype: str) -> tuple[str, ...]:
-    """The few variants that answer "what should I use on this machine?": fp32, eager autocast, the
-    compiled alternative expected fastest on this CPU (torch.compile + autocast where it computes
-    ``dtype`` natively, torch.compile in fp32 where it emulates it; with freezing for inference),
-    graphamp exact (``inference=True`` for inference), and graphamp's path for this CPU (compiled where ``dtype`` is native; autotune,
-    which raises to fp32 each op measured slower in ``dtype``, where it is emulated).
+# A low-precision matmul counts as faster than fp32 on this CPU from this ratio of their rates on.
+FASTER_RATIO = 1.2
 
-    >>> from graphamp.hardware import assume_cpu_flags
-    >>> with assume_cpu_flags(["avx512_bf16"]):
-    ...     assert default_variants("infer", "bf16")[2:] == ("compile_autocast_freezing", "graphamp_inference", "graphamp_compiled")
-    >>> with assume_cpu_flags([]):
-    ...     assert default_variants("train", "bf16")[2:] == ("compile_fp32", "graphamp", "graphamp_autotune")
+
+def low_matmul_faster(dtype: torch.dtype) -> bool:
+    """Whether this CPU computes ``dtype`` matmuls faster than fp32: native per its flags, and one
+    512x512 matmul at least :data:`FASTER_RATIO` times fp32's rate (an Intel Xeon with
+    ``avx512_fp16`` but no ``amx_fp16`` runs fp16 matmuls natively at about fp32's rate). Where the
+    flags say emulated, nothing is measured."""
+    if not hardware.capability("cpu").native(dtype):
+        return False
+    return bench_limits.gemm_rate(dtype, n=512) >= FASTER_RATIO * bench_limits.gemm_rate(torch.float32, n=512)
+
+
+def default_variants(task: str, dtype: str, *, low_is_faster: bool | None = None) -> tuple[str, ...]:
+    """The few variants that answer "what should I use on this machine?": fp32, eager autocast, the
+    compiled alternative expected fastest on this CPU (torch.compile + autocast where ``dtype``
+    matmuls run faster than fp32, torch.compile in fp32 where they do not; with freezing for
+    inference), graphamp exact (``inference=True`` for inference), and graphamp's path for this CPU
+    (compiled where ``dtype`` is faster; autotune, which raises to fp32 each op measured slower in
+    ``dtype``, where it is not). ``low_is_faster`` defaults to :func:`low_matmul_faster`.
+
+    >>> default_variants("infer", "bf16", low_is_faster=True)[2:]
+    ('compile_autocast_freezing', 'graphamp_inference', 'graphamp_compiled')
+    >>> default_variants("train", "fp16", low_is_faster=False)[2:]
+    ('compile_fp32', 'graphamp', 'graphamp_autotune')
     """
-    native = hardware.capability("cpu").native(DTYPE_ALIASES[dtype])
-    alternative = ("compile_autocast" if native else "compile_fp32") + ("_freezing" if task == "infer" else "")
+    if low_is_faster is None:
+        low_is_faster = low_matmul_faster(DTYPE_ALIASES[dtype])
+    alternative = ("compile_autocast" if low_is_faster else "compile_fp32") + ("_freezing" if task == "infer" else "")
     # For inference, graphamp exact is the grad-free conversion (inference=True), as a user serving
     # the model converts it; its self-check then runs no backward.
     exact = "graphamp_inference" if task == "infer" else "graphamp"
-    return ("fp32", "autocast", alternative, exact, "graphamp_compiled" if native else "graphamp_autotune")
+    return ("fp32", "autocast", alternative, exact, "graphamp_compiled" if low_is_faster else "graphamp_autotune")
 
 
 def recommendation(rows: list[Row]) -> str:
