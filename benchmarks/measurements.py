@@ -51,6 +51,19 @@ class Cited:
 EPYC = "AMD EPYC: bf16 matmul native, fp16 matmul emulated (has avx512_bf16; lacks amx_bf16, avx512_fp16, amx_fp16); 2 threads, torch 2.13.0+cpu"
 
 CITED = (
+    Cited("bench-2026-11-30-amx-infer-bf16.json", "Speed: inference, bf16 on an Intel Xeon with AMX", "341e795",
+          "Eval under `no_grad` on the four bench models, every variant of the task, on an Intel Xeon with AMX-bf16 "
+          "and avx512_fp16 (bf16 and fp16 native), with no other work on the machine's cores beyond short niced test "
+          "runs: `torch.compile` in fp32, with autocast and in pure bf16 (each with and without freezing, each also "
+          "tried with inductor's C++ wrapper) beside graphamp's exact, autotune, budget and backend variants. For "
+          "part of the run, short test and census runs (niced) shared the cores; the matmul-only bound's fp32 rate "
+          "(100 GFLOP/s) was measured then and is low: the fp16 run below, with the cores to itself, measured 196."),
+    Cited("bench-2026-11-30-amx-infer-fp16.json", "Speed: inference, fp16 on an Intel Xeon with avx512_fp16", "2719240",
+          "The same comparison in fp16 on the same machine, with the cores to itself. avx512_fp16 makes fp16 "
+          "native here, but its matmuls run at about fp32's rate (no amx_fp16), so compiled fp32 is the "
+          "alternative to beat. `graphamp_autotune` and `graphamp_autotune_compiled` on `nn.TransformerEncoder` "
+          "failed at this run's commit (a fused layer raised after one kept in fp16 got an fp16 input); fixed in "
+          "graphamp commit `38344fc`."),
     Cited("bench-2026-11-28p-infer-bf16.json", "Speed: inference, bf16", "30d25d4",
           "Eval under `no_grad` on the four bench models; graphamp's compiled autotune variant also "
           "tries inductor's C++ wrapper."),
