@@ -58,6 +58,11 @@ CITED = (
           "tried with inductor's C++ wrapper) beside graphamp's exact, autotune, budget and backend variants. For "
           "part of the run, short test and census runs (niced) shared the cores; the matmul-only bound's fp32 rate "
           "(100 GFLOP/s) was measured then and is low: the fp16 run below, with the cores to itself, measured 196."),
+    Cited("bench-2026-11-30-amx-train-bf16.json", "Speed: training step, bf16 on an Intel Xeon with AMX", "a1ebb53",
+          "Forward, backward and AdamW step on the four bench models, every variant of the task, on the same Intel "
+          "Xeon (AMX-bf16), with the cores to itself but for short niced test runs in its first two minutes of "
+          "preparation: `torch.compile` in fp32 and with autocast beside graphamp's exact, autotune, budget, "
+          "backend and TrainStep variants."),
     Cited("bench-2026-11-30-amx-infer-fp16.json", "Speed: inference, fp16 on an Intel Xeon with avx512_fp16", "2719240",
           "The same comparison in fp16 on the same machine, with the cores to itself. avx512_fp16 makes fp16 "
           "native here, but its matmuls run at about fp32's rate (no amx_fp16), so compiled fp32 is the "
@@ -227,6 +232,7 @@ CITED = (
 
 # README.md's speed tables, bf16: one table per CPU class measured, each from its own files.
 SPEED_FILES = (
+    ("bench-2026-11-30-amx-infer-bf16.json", "bench-2026-11-30-amx-train-bf16.json"),
     ("bench-2026-11-28p-infer-bf16.json", "bench-2026-11-28j-train-bf16.json"),
     ("bench-2026-11-29-avx2-infer-bf16.json", "bench-2026-11-29-avx2-train-bf16.json", "bench-2026-11-29c-avx2-train-bf16-gpt2-bert.json"),
 )
