@@ -63,6 +63,14 @@ CITED = (
           "Xeon (AMX-bf16), with the cores to itself but for short niced test runs in its first two minutes of "
           "preparation: `torch.compile` in fp32 and with autocast beside graphamp's exact, autotune, budget, "
           "backend and TrainStep variants."),
+    Cited("bench-2026-11-30-amx-train-fp16.json", "Speed: training step, fp16 on an Intel Xeon with avx512_fp16", "7a82d86",
+          "Forward, backward and AdamW step on the four bench models in fp16, every variant of the task, on the same "
+          "Intel Xeon (fp16 native through avx512_fp16, at about fp32's matmul rate; no amx_fp16), with the cores "
+          "to itself. Eager fp16 autocast is slower than fp32 here (40x on the conv net, whose fp16 convolutions "
+          "are slow), so compiled fp32 is the alternative to beat and graphamp's autotune raises the slow ops."),
+    Cited("bench-2026-11-30b-amx-infer-fp16-encoder.json", "Speed: nn.TransformerEncoder, inference, fp16, after the autotune fix",
+          "7a82d86", "`nn.TransformerEncoder` in fp16 inference again on the same machine, every variant, at a commit "
+          "where autotune's mixed plans on its fused layers run (graphamp commit `38344fc`)."),
     Cited("bench-2026-11-30-amx-infer-fp16.json", "Speed: inference, fp16 on an Intel Xeon with avx512_fp16", "2719240",
           "The same comparison in fp16 on the same machine, with the cores to itself. avx512_fp16 makes fp16 "
           "native here, but its matmuls run at about fp32's rate (no amx_fp16), so compiled fp32 is the "
