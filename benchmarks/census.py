@@ -488,18 +488,9 @@ def _counting_backend() -> tuple[Callable[..., Any], list[int]]:
     return graphamp_counted, calls
 
 
-def _backend_run(s: Subject, dtype: Any, *, ambient: bool) -> dict[str, Any]:
-    """``torch.compile(model, backend="graphamp", options={"inner": "eager"})`` on the example, called
-    inside ``torch.autocast`` when ``ambient``, against eager autocast. An error where graphamp's
-    backend was never called: dynamo ran the model eagerly, so equality would prove nothing.
-    Skipped, with both errors, where plain ``torch.compile`` fails the same way without graphamp."""
-    import graphamp
+def _called(compiled: Callable[..., Any], *, ambient: bool, dtype: Any) -> Callable[..., Any]:
+    """``compiled``, called inside ``torch.autocast("cpu", dtype)`` when ``ambient``."""
     import torch
-
-    torch._dynamo.reset()
-    ref, _ = s.eager(dtype)
-    backend, calls = _counting_backend()
-    compiled = torch.compile(s.model, backend=backend, options={"inner": "eager", "dtype": dtype})
 
     def call(*a: Any, **k: Any) -> Any:
         if ambient:
@@ -507,17 +498,31 @@ def _backend_run(s: Subject, dtype: Any, *, ambient: bool) -> dict[str, Any]:
                 return compiled(*a, **k)
         return compiled(*a, **k)
 
+    return call
+
+
+def _backend_run(s: Subject, dtype: Any, *, ambient: bool) -> dict[str, Any]:
+    """``torch.compile(model, backend="graphamp", options={"inner": "eager"})`` on the example, called
+    inside ``torch.autocast`` when ``ambient``, against eager autocast. An error where graphamp's
+    backend was never called: dynamo ran the model eagerly, so equality would prove nothing.
+    Skipped, with both errors, where plain ``torch.compile`` fails the same way without graphamp."""
+    import torch
+
+    torch._dynamo.reset()
+    ref, _ = s.eager(dtype)
+    backend, calls = _counting_backend()
+    call = _called(torch.compile(s.model, backend=backend, options={"inner": "eager", "dtype": dtype}), ambient=ambient, dtype=dtype)
     limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
     try:
         with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(limit * 16, torch._dynamo.config.accumulated_recompile_limit)):
             out, _ = s.run(call, census_models.BATCH, grads=False)
     except Exception as e:
-        if isinstance(e, graphamp.GraphampError) or isinstance(getattr(e, "inner_exception", None), graphamp.GraphampError):
+        ours = _error(e)
+        if ours["reported"]:  # graphamp's own typed error
             raise
         plain = _plain_compile_error(s, ambient=ambient, dtype=dtype)
         if plain is None:
             raise
-        ours = _error(e)
         raise Skipped(f"torch.compile itself fails on this model without graphamp ({plain}); "
                       f"with graphamp: {ours['type']}: {ours['message']}") from e
     finally:
@@ -536,16 +541,8 @@ def _plain_compile_error(s: Subject, *, ambient: bool, dtype: Any) -> str | None
     import torch
 
     torch._dynamo.reset()
-    compiled = torch.compile(s.model, backend="eager")
-
-    def call(*a: Any, **k: Any) -> Any:
-        if ambient:
-            with torch.autocast("cpu", dtype=dtype):
-                return compiled(*a, **k)
-        return compiled(*a, **k)
-
     try:
-        s.run(call, census_models.BATCH, grads=False)
+        s.run(_called(torch.compile(s.model, backend="eager"), ambient=ambient, dtype=dtype), census_models.BATCH, grads=False)
     except Exception as e:
         err = _error(e)
         return f"backend='eager'{' inside torch.autocast' if ambient else ''}: {err['type']}: {err['message']}"
