@@ -50,10 +50,32 @@ def test_cited_results_files_exist_and_are_linked():
     m = _measurements()
     for c in m.CITED:
         assert (m.RESULTS / c.file).is_file(), c.file
-    anchors = {m.anchor(c.title) for c in m.CITED}
+    anchors = m.anchors()
+    assert m.anchor(m.SPEED_BY_CLASS) in anchors
     for doc in USER_DOCS:
         for anchor in re.findall(r"measurements\.md#([\w-]+)", doc.read_text()):
             assert anchor in anchors, f"{doc.name} links to measurements.md#{anchor}, which the page does not have"
+
+
+def _between(text: str, begin: str, end: str) -> str:
+    start = text.index(begin)
+    stop = text.find(end, start + len(begin))
+    return text[start:stop if stop >= 0 else len(text)]
+
+
+def test_readme_has_one_speed_table_and_the_docs_one_per_cpu_class():
+    """README's generated region holds one table (README_CLASS's) and links to the section of
+    docs/measurements.md that holds every CPU class's table, README's included."""
+    m = _measurements()
+    header = "| model | task |"
+    region = _between((ROOT / "README.md").read_text(), m.SPEED_BEGIN, m.SPEED_END)
+    assert region.count(header) == 1, "README's speed-table region must hold exactly one table"
+    assert f"docs/measurements.md#{m.anchor(m.SPEED_BY_CLASS)}" in region
+    assert m.README_CLASS in m.SPEED_FILES
+    section = _between((DOCS / "measurements.md").read_text(), f"\n## {m.SPEED_BY_CLASS}\n", "\n## ")
+    assert section.count(header) == len(m.SPEED_FILES), "docs/measurements.md needs one speed table per CPU class"
+    readme_rows = [line for line in region.splitlines() if line.startswith("| ")]
+    assert all(line in section.splitlines() for line in readme_rows), "README's table must be one of the docs' tables"
 
 
 def _script_blocks() -> list[tuple[str, str]]:
