@@ -28,6 +28,7 @@ __all__ = [
     "capability",
     "cpu_flags",
     "cpu_model",
+    "minor_page_faults",
     "missing_feature",
     "parse_cpuinfo",
     "warn_if_emulated",
@@ -89,6 +90,22 @@ def cpu_flags() -> frozenset[str]:
         return fake
     flags = _proc_cpuinfo()[1]
     return frozenset(flags & set(_RELEVANT)) if flags is not None else _torch_flags()
+
+
+def minor_page_faults() -> int | None:
+    """The minor page faults this process has taken so far (None where the OS does not count them).
+
+    Timings read it around their calls: glibc's malloc gives freed memory back to the OS once its
+    free top exceeds a threshold it raises and lowers by the process's history, so a compiled
+    program that allocates its buffers per call may fault in fresh pages on every call, at one
+    time and not at another. On this project's Intel Xeon the bench's conv net took 4.2-4.6 ms
+    per call with about 990 faults per call against 1.9-2.1 ms with none, the same program.
+    """
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def cpu_model() -> str:

@@ -134,3 +134,19 @@ def test_inference_keeps_the_cpp_wrapper_where_it_times_faster(monkeypatch):
         expected = model(x)
     y = cm(x)
     assert y.dtype == expected.dtype and float((y.float() - expected.float()).abs().max()) < 0.05
+
+
+def test_timing_counts_each_programs_page_faults(monkeypatch):
+    monkeypatch.setattr(autotune_compiled, "MIN_ROUND_S", 0.0)
+    faults = [0]
+
+    def faulting():
+        faults[0] += 992
+
+    monkeypatch.setattr(autotune_compiled, "minor_page_faults", lambda: faults[0])
+    counted: dict[str, float] = {}
+    samples = autotune_compiled.time_programs({"plan": faulting, "every op raised": lambda: None}, rounds=3, faults=counted)
+    assert counted == {"plan": 992, "every op raised": 0} and all(len(s) == 3 for s in samples.values())
+    said = autotune_compiled.faults_said(counted)
+    assert said.startswith("page faults per call: plan 992, every op raised 0") and "#page-faults" in said
+    assert autotune_compiled.faults_said({"plan": 1.0, "every op raised": 0.0}) == ""

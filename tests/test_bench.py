@@ -166,3 +166,36 @@ def test_a_variant_compiled_after_many_others_is_really_compiled(monkeypatch):
         want = model(x)
     assert out.dtype == want.dtype == torch.bfloat16  # mixed precision, not fp32 eager
     torch.testing.assert_close(out, want, rtol=0, atol=1e-2)
+
+
+def test_page_faults_per_call_are_counted_and_said(tmp_path, capsys, monkeypatch):
+    # A stand-in for the process's fault counter: the graphamp row's calls fault 500 pages each (as
+    # a compiled conv net did where glibc gave its buffers back to the OS between calls), others none.
+    faults = [0]
+    real_prepare = bench.prepare
+
+    def prepare(v, *args, **kwargs):
+        variant = real_prepare(v, *args, **kwargs)
+        if v == "graphamp":
+            step = variant.step
+
+            def faulting():
+                faults[0] += 500
+                return step()
+
+            variant.step = faulting
+        return variant
+
+    monkeypatch.setattr(bench, "prepare", prepare)
+    monkeypatch.setattr(bench.hardware, "minor_page_faults", lambda: faults[0])
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--model", "mlp", "--variants", "fp32", "autocast", "graphamp", "--rounds", "2", "--json", str(path)]) == 0
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["graphamp"]["faults_per_call"] == 500 and rows["fp32"]["faults_per_call"] == 0 == rows["autocast"]["faults_per_call"]
+    out = capsys.readouterr().out
+    assert "| faults/call |" in out and "page faults per call: mlp graphamp (500)." in out and "docs/benchmark.md#page-faults" in out
+
+
+def test_no_fault_note_where_no_variant_faulted():
+    rows = [Row("m", "infer", "bf16", "fp32", median_ms=1.0, faults_per_call=0.0), Row("m", "infer", "bf16", "graphamp", median_ms=1.0, faults_per_call=3.0)]
+    assert "page faults" not in bench.table(rows) and "| 0 |" in bench.table(rows)

@@ -33,14 +33,20 @@ from graphamp.spec import AmpSpec
 from graphamp.autotune.accuracy import checked_params, errors_against_fp32
 from graphamp.compiled import compile_converted
 from graphamp.eager import inputs_restored, state_restored
+from graphamp.hardware import minor_page_faults
 from graphamp.pipeline import replay
 
-__all__ = ["MARGIN", "candidate_plans", "fastest_compiled", "pick", "program_call", "ratios_to_plan", "time_programs"]
+__all__ = [
+    "FAULTS_SAID", "MARGIN", "candidate_plans", "fastest_compiled", "faults_said", "pick", "program_call", "ratios_to_plan", "time_programs",
+]
 
 # Another candidate replaces the plan's own program only when its median is this much lower.
 MARGIN = 0.03
 ROUNDS = 7
 MIN_ROUND_S = 0.05
+# Minor page faults per call from which a timing says a program faulted (a call that allocates
+# nothing new faults none; one whose buffers malloc gave back to the OS faults hundreds).
+FAULTS_SAID = 10
 
 
 def candidate_plans(plan: AutotunePlan, dtype: torch.dtype) -> dict[str, AutotunePlan]:
@@ -54,24 +60,47 @@ def candidate_plans(plan: AutotunePlan, dtype: torch.dtype) -> dict[str, Autotun
     return candidates
 
 
-def time_programs(runs: dict[str, Callable[[], Any]], *, rounds: int = ROUNDS) -> dict[str, list[float]]:
+def time_programs(
+    runs: dict[str, Callable[[], Any]], *, rounds: int = ROUNDS, faults: dict[str, float] | None = None
+) -> dict[str, list[float]]:
     """ms per call of each ``run`` in each of ``rounds`` interleaved rounds of at least
-    :data:`MIN_ROUND_S` each (the first call of each, before, untimed)."""
+    :data:`MIN_ROUND_S` each (the first call of each, before, untimed). ``faults``, where given,
+    receives each run's minor page faults per timed call (:func:`graphamp.hardware.minor_page_faults`)."""
     numbers = {}
     for name, run in runs.items():
         start = time.perf_counter()
         run()
         numbers[name] = max(1, math.ceil(MIN_ROUND_S / max(time.perf_counter() - start, 1e-6)))
     samples: dict[str, list[float]] = {name: [] for name in runs}
+    faulted = dict.fromkeys(runs, 0)
     for _ in range(rounds):
         for name, run in runs.items():
+            before = minor_page_faults()
             # Timed directly: benchmark.Timer.timeit warms up with two more calls per round, which
             # the first call above makes needless and which triple a slow program's cost.
             start = time.perf_counter()
             for _ in range(numbers[name]):
                 run()
             samples[name].append((time.perf_counter() - start) / numbers[name] * 1e3)
+            if before is not None:
+                faulted[name] += minor_page_faults() - before
+    if faults is not None and minor_page_faults() is not None:
+        faults.update({name: faulted[name] / (numbers[name] * rounds) for name in runs})
     return samples
+
+
+def faults_said(faults: dict[str, float]) -> str:
+    """Where a timed program took page faults on its calls, the words that say so ("" where none
+    took :data:`FAULTS_SAID` per call): its time then includes glibc giving memory back to the OS
+    and taking it again, which depends on the process's history, not on the program alone.
+
+    >>> faults_said({"plan": 992.0, "every op raised": 0.0})
+    'page faults per call: plan 992, every op raised 0 (malloc returned memory to the OS between calls: see docs/benchmark.md#page-faults)'
+    """
+    if not faults or max(faults.values()) < FAULTS_SAID:
+        return ""
+    counts = ", ".join(f"{name} {n:.0f}" for name, n in faults.items())
+    return f"page faults per call: {counts} (malloc returned memory to the OS between calls: see docs/benchmark.md#page-faults)"
 
 
 def fastest_compiled(
@@ -128,8 +157,10 @@ def fastest_compiled(
 
     samples: dict[str, list[float]] = {}
     if len(compiled) > 1:
+        faults: dict[str, float] = {}
         with state_restored(model), inputs_restored((args, kwargs)):  # the example as it was, after
-            samples = time_programs({name: run(cm) for name, cm in compiled.items()})
+            samples = time_programs({name: run(cm) for name, cm in compiled.items()}, faults=faults)
+        notes.extend(filter(None, [faults_said(faults)]))
     best = pick(samples) if samples else "plan"
     chosen = compiled[best]
     if spec.inference and compile_fn is compile_converted and getattr(chosen, "runs_compiled", False):
@@ -168,13 +199,15 @@ def _cpp_wrapper_if_faster(
     if not getattr(cpp, "runs_compiled", False):
         notes.append("C++ wrapper: refused")
         return cm
+    faults: dict[str, float] = {}
     with state_restored(model), inputs_restored((args, kwargs)):  # the example as it was, after
-        samples = time_programs({"plan": run(cm), "C++ wrapper": run(cpp)})
+        samples = time_programs({"plan": run(cm), "C++ wrapper": run(cpp)}, faults=faults)
     ratio = ratios_to_plan(samples)["C++ wrapper"]
     kept = pick(samples) == "C++ wrapper"
+    said = faults_said(faults)
     notes.append(
         f"C++ wrapper {statistics.median(samples['C++ wrapper']):.3g} ms against {statistics.median(samples['plan']):.3g} ms "
-        f"({ratio:.2f}x), {'kept' if kept else 'not kept'}"
+        f"({ratio:.2f}x), {'kept' if kept else 'not kept'}" + (f" ({said})" if said else "")
     )
     return cpp if kept else cm
 

@@ -38,7 +38,11 @@ Other columns:
 * max err: the largest absolute difference of any output from eager autocast's, on the first call
   with identical weights (0 means bitwise equal);
 * err vs fp32: the largest absolute difference of any output from fp32's, with eager autocast's own
-  error against fp32 beside it (autotune must not exceed it).
+  error against fp32 beside it (autotune must not exceed it);
+* faults/call: the process's minor page faults per timed call. Where glibc's malloc gives a
+  variant's freed buffers back to the OS between calls, each call faults fresh pages in, which can
+  double a small model's time and depends on the process's history; the table then says which
+  variants faulted (see the benchmark guide's "Page faults").
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from typing import Any, Callable
 import torch
 
 from graphamp import hardware
+from graphamp.autotune.compiled import FAULTS_SAID
 from graphamp.testing import zoo
 from graphamp.verify.reference import count_casts, lowered_graph
 from graphamp.policy import DTYPE_ALIASES
@@ -179,6 +184,7 @@ class Row:
     autocast_err_vs_fp32: float | None = None
     note: str = ""
     setup_s: float | None = None
+    faults_per_call: float | None = None  # minor page faults per timed call
     samples: list[float] = field(default_factory=list, repr=False)
     limits: str = ""  # where the time goes (``run(limits=True)``): on the fastest row of each model
 
@@ -265,16 +271,22 @@ def _run(
             per_call = max(_seconds_per_call(prepared[v].step, 1), 1e-6)
             numbers[v] = max(1, int(target_s / per_call))
             eta.per_round(model_name, v, per_call * numbers[v])
+        faulted = dict.fromkeys(live, 0)
         for r in range(rounds):
             for v in live:
                 show_progress(f"[{model_name}] round {r + 1}/{rounds} {v} {eta.line()}")
+                before = hardware.minor_page_faults()
                 model_rows[v].samples.append(_seconds_per_call(prepared[v].step, numbers[v]) * 1e3)
+                if before is not None:
+                    faulted[v] += hardware.minor_page_faults() - before
                 eta.timed(model_name, v)
         for v in live:
             row = model_rows[v]
             # One round (--rounds 1) has no spread: its p10 and p90 are its median.
             q = statistics.quantiles(row.samples, n=10, method="inclusive") if len(row.samples) > 1 else row.samples * 9
             row.median_ms, row.p10_ms, row.p90_ms = statistics.median(row.samples), q[0], q[-1]
+            if hardware.minor_page_faults() is not None:
+                row.faults_per_call = faulted[v] / (numbers[v] * rounds)
             if "autocast" in first_out and v in first_out:
                 row.max_err = max_err(first_out[v], first_out["autocast"])
             if "fp32" in first_out and v in first_out:
@@ -361,21 +373,23 @@ def table(rows: list[Row]) -> str:
     """A Markdown table of the rows."""
     head = (
         "| model | task | dtype | variant | median ms | p10-p90 ms | vs autocast | vs pure low | vs fp32 | vs best "
-        "| casts/call | peak MiB | max err | err vs fp32 (autocast's) | setup s |"
+        "| casts/call | peak MiB | max err | err vs fp32 (autocast's) | faults/call | setup s |"
     )
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         if r.status != "ok":
-            lines.append(f"| {r.model} | {r.task} | {r.dtype} | {r.variant} | {r.status} |" + " |" * 10)
+            lines.append(f"| {r.model} | {r.task} | {r.dtype} | {r.variant} | {r.status} |" + " |" * 11)
             continue
         lines.append(
             f"| {r.model} | {r.task} | {r.dtype} | {r.variant} | {_fmt(r.median_ms, '.3f')} | "
             f"{_fmt(r.p10_ms, '.3f')}-{_fmt(r.p90_ms, '.3f')} | {_fmt(r.vs_autocast, '.2f')} | "
             f"{_fmt(r.vs_pure_low, '.2f')} | {_fmt(r.vs_fp32, '.2f')} | {_fmt(r.vs_best, '.2f')} | "
             f"{_fmt(r.casts_per_call, 'd')} | {_fmt(r.peak_mib, '.1f')} | "
-            f"{_fmt(r.max_err, '.3g')} | {_fmt(r.err_vs_fp32, '.3g')} ({_fmt(r.autocast_err_vs_fp32, '.3g')}) | {_fmt(r.setup_s, '.1f')} |"
+            f"{_fmt(r.max_err, '.3g')} | {_fmt(r.err_vs_fp32, '.3g')} ({_fmt(r.autocast_err_vs_fp32, '.3g')}) | "
+            f"{_fmt(r.faults_per_call, '.0f')} | {_fmt(r.setup_s, '.1f')} |"
         )
     notes = [f"{r.model} {r.variant}: {r.note}" for r in rows if r.note]
+    notes += _faults_note(rows)
     notes += [f"{r.model} ({r.task}, {r.dtype}), where the time goes: {r.limits}" for r in rows if r.limits]
     bests = {r.model: r.best for r in rows if r.best}
     if bests:
@@ -384,6 +398,21 @@ def table(rows: list[Row]) -> str:
     if notes:
         lines += [""] + notes
     return "\n".join(lines)
+
+
+def _faults_note(rows: list[Row]) -> list[str]:
+    """A line naming the variants whose timed calls took page faults, and what that means."""
+    faulted = [r for r in rows if r.faults_per_call is not None and r.faults_per_call >= FAULTS_SAID]
+    if not faulted:
+        return []
+    named = ", ".join(f"{r.model} {r.variant} ({r.faults_per_call:.0f})" for r in faulted)
+    return [
+        f"page faults per call: {named}. glibc's malloc gave these variants' freed buffers back to the OS "
+        "between calls, so each call faulted fresh pages in: their times include that, and it depends on the "
+        "process's history, not on the variant alone. For steady numbers, and in deployment, keep freed memory "
+        "(GLIBC_TUNABLES with both glibc.malloc.trim_threshold and glibc.malloc.mmap_threshold, or jemalloc / "
+        "tcmalloc): see docs/benchmark.md#page-faults."
+    ]
 
 
 def to_json(rows: list[Row]) -> list[dict]:
