@@ -70,6 +70,19 @@ CITED = (
           "Intel Xeon (fp16 native through avx512_fp16, at about fp32's matmul rate; no amx_fp16), with the cores "
           "to itself. Eager fp16 autocast is slower than fp32 here (40x on the conv net, whose fp16 convolutions "
           "are slow), so compiled fp32 is the alternative to beat and graphamp's autotune raises the slow ops."),
+    Cited("bench-2026-12-01-amx-infer-fp16.json", "Speed: inference, fp16 on an Intel Xeon, page faults counted", "afa1169",
+          "The fp16 inference comparison again on the same Intel Xeon (avx512_fp16, no amx_fp16: fp16 matmuls at about "
+          "fp32's rate), with the cores to itself, at a commit whose bench counts each variant's minor page faults per "
+          "timed call (`faults/call`). glibc's malloc ran with its defaults. No compiled variant faulted; on the BERT-like model eager "
+          "fp32 took 366 faults per call and eager autocast 69. graphamp's fastest runs the same program as compiled fp32 with freezing "
+          "(every op raised to fp32), so the two are at parity within this run's noise."),
+    Cited("bench-2026-12-01-amx-infer-fp16-steady-malloc.json", "Speed: inference, fp16 on an Intel Xeon, glibc's thresholds set",
+          "afa1169",
+          "The same comparison right after it, in a process whose glibc malloc keeps freed memory (`GLIBC_TUNABLES` "
+          "with both thresholds set, as [Page faults](benchmark.md#page-faults) advises), so that no variant's time "
+          "depends on when malloc gives memory back to the OS (eager fp32 on the BERT-like model still took 110 faults "
+          "per call; no other variant 10 or more). Compared with the run before it, the order of graphamp's "
+          "fastest and compiled fp32 changes on two of the four models: a tie within noise."),
     Cited("bench-2026-11-30b-amx-infer-fp16-encoder.json", "Speed: nn.TransformerEncoder, inference, fp16, after the autotune fix",
           "7a82d86", "`nn.TransformerEncoder` in fp16 inference again on the same machine, every variant, at a commit "
           "where autotune's mixed plans on its fused layers run (graphamp commit `38344fc`)."),
@@ -286,6 +299,7 @@ def bench_command(doc: dict, file: str) -> str:
     rounds = max((len(r.get("samples") or []) for r in rows), default=0)
     model_args = " ".join(models)
     prefix = "PYTHONPATH=benchmarks " if any(":" in m for m in models) else ""
+    prefix = "".join(f"{k}={v} " for k, v in (doc.get("environment") or {}).items()) + prefix
     return (f"{prefix}graphamp bench --model {model_args} --task {rows[0]['task']} --dtype {rows[0]['dtype']} "
             f"--variants {' '.join(variants)} --rounds {rounds} --json benchmarks/results/{file}")
 

@@ -199,3 +199,13 @@ def test_page_faults_per_call_are_counted_and_said(tmp_path, capsys, monkeypatch
 def test_no_fault_note_where_no_variant_faulted():
     rows = [Row("m", "infer", "bf16", "fp32", median_ms=1.0, faults_per_call=0.0), Row("m", "infer", "bf16", "graphamp", median_ms=1.0, faults_per_call=3.0)]
     assert "page faults" not in bench.table(rows) and "| 0 |" in bench.table(rows)
+
+
+def test_a_run_records_the_allocator_settings_it_ran_with(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--model", "mlp", "--variants", "fp32", "autocast", "--rounds", "1", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["environment"] == {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432"}
+    assert "GLIBC_TUNABLES=glibc.malloc.trim_threshold=4294967296" in doc["machine"] in capsys.readouterr().out

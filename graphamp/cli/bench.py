@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import platform
 
 import torch
@@ -12,6 +13,10 @@ import torch
 from graphamp import bench
 from graphamp.bench import BENCH_MODELS, DEFAULT_MODELS, TASKS, VARIANTS
 from graphamp.hardware import capability
+
+# Environment variables that change how the process allocates memory, and with it the page faults a
+# variant's calls take (docs/benchmark.md#page-faults): a run records the ones set.
+ALLOCATOR_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +59,10 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, ImportError) as e:  # a model that cannot be built: say why, no traceback
         raise SystemExit(f"graphamp bench: {e}") from e
 
+    environment = {name: os.environ[name] for name in ALLOCATOR_ENV if os.environ.get(name)}
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    if environment:
+        machine += ", " + " ".join(f"{k}={v}" for k, v in environment.items())
     print(f"graphamp bench: task={args.task} dtype={args.dtype} ({machine})")
     print(f"capability: {capability('cpu').line()}")
     if torch.cuda.is_available():
@@ -64,7 +72,10 @@ def main(args: argparse.Namespace) -> int:
     print(bench.recommendation(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "capability": capability("cpu").line(), "rows": bench.to_json(rows)}, f, indent=2)
+            json.dump(
+                {"machine": machine, "capability": capability("cpu").line(), "environment": environment, "rows": bench.to_json(rows)}, f,
+                indent=2,
+            )
     if args.csv:
         data = bench.to_json(rows)
         with open(args.csv, "w", newline="") as f:
