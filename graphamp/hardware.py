@@ -15,7 +15,8 @@ import dataclasses
 import functools
 import platform
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import torch
 
@@ -28,6 +29,8 @@ __all__ = [
     "capability",
     "cpu_flags",
     "cpu_model",
+    "FAULTS_SAID",
+    "faults_of",
     "minor_page_faults",
     "missing_feature",
     "parse_cpuinfo",
@@ -38,6 +41,7 @@ __all__ = [
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16", "svebf16")
 FP16_FLAGS = ("avx512_fp16", "amx_fp16", "fphp", "asimdhp")
 _RELEVANT = BF16_FLAGS + FP16_FLAGS
+T = TypeVar("T")
 
 _FAKE_FLAGS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("graphamp_fake_cpu_flags", default=None)
 # (device, dtype, missing feature) already warned about in this process: the warning is once each.
@@ -106,6 +110,19 @@ def minor_page_faults() -> int | None:
     except ImportError:  # not on Unix
         return None
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+# Minor page faults per call from which the bench and autotune say a program faulted (a call that
+# allocates nothing new faults none; one whose buffers malloc gave back to the OS faults hundreds).
+FAULTS_SAID = 10
+
+
+def faults_of(run: Callable[[], T]) -> tuple[T, int | None]:
+    """``run()``'s result and the minor page faults the process took while it ran (None where the
+    OS does not count them)."""
+    before = minor_page_faults()
+    result = run()
+    return result, None if before is None else minor_page_faults() - before
 
 
 def cpu_model() -> str:

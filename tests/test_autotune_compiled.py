@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import graphamp
+from graphamp import hardware
 from graphamp.autotune import compiled as autotune_compiled
 from graphamp.autotune.measure import MeasurementCache, Trial, measuring
 
@@ -143,7 +144,7 @@ def test_timing_counts_each_programs_page_faults(monkeypatch):
     def faulting():
         faults[0] += 992
 
-    monkeypatch.setattr(autotune_compiled, "minor_page_faults", lambda: faults[0])
+    monkeypatch.setattr(hardware, "minor_page_faults", lambda: faults[0])
     counted: dict[str, float] = {}
     samples = autotune_compiled.time_programs({"plan": faulting, "every op raised": lambda: None}, rounds=3, faults=counted)
     assert counted == {"plan": 992, "every op raised": 0} and all(len(s) == 3 for s in samples.values())

@@ -33,20 +33,15 @@ from graphamp.spec import AmpSpec
 from graphamp.autotune.accuracy import checked_params, errors_against_fp32
 from graphamp.compiled import compile_converted
 from graphamp.eager import inputs_restored, state_restored
-from graphamp.hardware import minor_page_faults
+from graphamp.hardware import FAULTS_SAID, faults_of
 from graphamp.pipeline import replay
 
-__all__ = [
-    "FAULTS_SAID", "MARGIN", "candidate_plans", "fastest_compiled", "faults_said", "pick", "program_call", "ratios_to_plan", "time_programs",
-]
+__all__ = ["MARGIN", "candidate_plans", "fastest_compiled", "faults_said", "pick", "program_call", "ratios_to_plan", "time_programs"]
 
 # Another candidate replaces the plan's own program only when its median is this much lower.
 MARGIN = 0.03
 ROUNDS = 7
 MIN_ROUND_S = 0.05
-# Minor page faults per call from which a timing says a program faulted (a call that allocates
-# nothing new faults none; one whose buffers malloc gave back to the OS faults hundreds).
-FAULTS_SAID = 10
 
 
 def candidate_plans(plan: AutotunePlan, dtype: torch.dtype) -> dict[str, AutotunePlan]:
@@ -65,28 +60,31 @@ def time_programs(
 ) -> dict[str, list[float]]:
     """ms per call of each ``run`` in each of ``rounds`` interleaved rounds of at least
     :data:`MIN_ROUND_S` each (the first call of each, before, untimed). ``faults``, where given,
-    receives each run's minor page faults per timed call (:func:`graphamp.hardware.minor_page_faults`)."""
+    receives each run's minor page faults per timed call (:func:`graphamp.hardware.faults_of`)."""
     numbers = {}
     for name, run in runs.items():
         start = time.perf_counter()
         run()
         numbers[name] = max(1, math.ceil(MIN_ROUND_S / max(time.perf_counter() - start, 1e-6)))
     samples: dict[str, list[float]] = {name: [] for name in runs}
-    faulted = dict.fromkeys(runs, 0)
+    faulted: dict[str, int | None] = dict.fromkeys(runs, 0)
     for _ in range(rounds):
         for name, run in runs.items():
-            before = minor_page_faults()
             # Timed directly: benchmark.Timer.timeit warms up with two more calls per round, which
             # the first call above makes needless and which triple a slow program's cost.
-            start = time.perf_counter()
-            for _ in range(numbers[name]):
-                run()
-            samples[name].append((time.perf_counter() - start) / numbers[name] * 1e3)
-            if before is not None:
-                faulted[name] += minor_page_faults() - before
-    if faults is not None and minor_page_faults() is not None:
-        faults.update({name: faulted[name] / (numbers[name] * rounds) for name in runs})
+            ms, n = faults_of(lambda: _ms_per_call(run, numbers[name]))
+            samples[name].append(ms)
+            faulted[name] = None if n is None or faulted[name] is None else faulted[name] + n
+    if faults is not None:
+        faults.update({name: n / (numbers[name] * rounds) for name, n in faulted.items() if n is not None})
     return samples
+
+
+def _ms_per_call(run: Callable[[], Any], number: int) -> float:
+    start = time.perf_counter()
+    for _ in range(number):
+        run()
+    return (time.perf_counter() - start) / number * 1e3
 
 
 def faults_said(faults: dict[str, float]) -> str:

@@ -57,7 +57,6 @@ from typing import Any, Callable
 import torch
 
 from graphamp import hardware
-from graphamp.autotune.compiled import FAULTS_SAID
 from graphamp.testing import zoo
 from graphamp.verify.reference import count_casts, lowered_graph
 from graphamp.policy import DTYPE_ALIASES
@@ -271,21 +270,20 @@ def _run(
             per_call = max(_seconds_per_call(prepared[v].step, 1), 1e-6)
             numbers[v] = max(1, int(target_s / per_call))
             eta.per_round(model_name, v, per_call * numbers[v])
-        faulted = dict.fromkeys(live, 0)
+        faulted: dict[str, int | None] = dict.fromkeys(live, 0)
         for r in range(rounds):
             for v in live:
                 show_progress(f"[{model_name}] round {r + 1}/{rounds} {v} {eta.line()}")
-                before = hardware.minor_page_faults()
-                model_rows[v].samples.append(_seconds_per_call(prepared[v].step, numbers[v]) * 1e3)
-                if before is not None:
-                    faulted[v] += hardware.minor_page_faults() - before
+                seconds, n = hardware.faults_of(lambda: _seconds_per_call(prepared[v].step, numbers[v]))
+                model_rows[v].samples.append(seconds * 1e3)
+                faulted[v] = None if n is None or faulted[v] is None else faulted[v] + n
                 eta.timed(model_name, v)
         for v in live:
             row = model_rows[v]
             # One round (--rounds 1) has no spread: its p10 and p90 are its median.
             q = statistics.quantiles(row.samples, n=10, method="inclusive") if len(row.samples) > 1 else row.samples * 9
             row.median_ms, row.p10_ms, row.p90_ms = statistics.median(row.samples), q[0], q[-1]
-            if hardware.minor_page_faults() is not None:
+            if faulted[v] is not None:
                 row.faults_per_call = faulted[v] / (numbers[v] * rounds)
             if "autocast" in first_out and v in first_out:
                 row.max_err = max_err(first_out[v], first_out["autocast"])
@@ -402,7 +400,7 @@ def table(rows: list[Row]) -> str:
 
 def _faults_note(rows: list[Row]) -> list[str]:
     """A line naming the variants whose timed calls took page faults, and what that means."""
-    faulted = [r for r in rows if r.faults_per_call is not None and r.faults_per_call >= FAULTS_SAID]
+    faulted = [r for r in rows if r.faults_per_call is not None and r.faults_per_call >= hardware.FAULTS_SAID]
     if not faulted:
         return []
     named = ", ".join(f"{r.model} {r.variant} ({r.faults_per_call:.0f})" for r in faulted)
