@@ -102,8 +102,8 @@ def minor_page_faults() -> int | None:
     Timings read it around their calls: glibc's malloc gives freed memory back to the OS once its
     free top exceeds a threshold it raises and lowers by the process's history, so a compiled
     program that allocates its buffers per call may fault in fresh pages on every call, at one
-    time and not at another. On this project's Intel Xeon the bench's conv net took 4.2-4.6 ms
-    per call with about 990 faults per call against 1.9-2.1 ms with none, the same program.
+    time and not at another. On this project's Intel Xeon, the bench's conv net compiled anew from
+    the same plan took 2.6 ms per call with no faults, then 4.6 and 4.2 ms with 992 faults per call.
     """
     try:
         import resource
