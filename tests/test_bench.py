@@ -209,3 +209,38 @@ def test_a_run_records_the_allocator_settings_it_ran_with(tmp_path, capsys, monk
     doc = json.loads(path.read_text())
     assert doc["environment"] == {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432"}
     assert "GLIBC_TUNABLES=glibc.malloc.trim_threshold=4294967296" in doc["machine"] in capsys.readouterr().out
+
+
+def test_the_recommendation_does_not_compare_the_fastest_alternative_with_itself():
+    rows = [Row("m", "infer", "bf16", v, median_ms=ms) for v, ms in [("fp32", 5.0), ("compile_autocast_freezing", 1.5)]]
+    assert bench.recommendation(rows) == "m (infer, bf16): use compile_autocast_freezing (1.5 ms), the fastest of the variants run."
+
+
+def _command(args: list[str], env: dict[str, str]):
+    import subprocess
+    import sys
+
+    code = "import sys; from graphamp.cli import main; sys.exit(main())"
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc thresholds: this C library is not glibc")
+def test_the_graphamp_command_benches_with_glibcs_thresholds_set(tmp_path):
+    import os
+
+    from graphamp.cli.bench import ALLOCATOR_ENV, STEADY_MALLOC
+
+    env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}
+    steady, defaults = tmp_path / "steady.json", tmp_path / "defaults.json"
+    run = _command(["bench", "--model", "mlp", "--variants", "fp32", "autocast", "--rounds", "1", "--json", str(steady)], env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(steady.read_text())["environment"] == {"GLIBC_TUNABLES": STEADY_MALLOC}
+    assert "malloc: glibc's thresholds set by graphamp bench" in run.stdout
+    run = _command(["bench", "--model", "mlp", "--variants", "fp32", "--rounds", "1", "--malloc-defaults", "--json", str(defaults)], env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(defaults.read_text())["environment"] == {} and "malloc:" not in run.stdout
+    # A choice of the user's own is kept as it is.
+    own = "glibc.malloc.arena_max=2"
+    run = _command(["bench", "--model", "mlp", "--variants", "fp32", "--rounds", "1", "--json", str(defaults)], {**env, "GLIBC_TUNABLES": own})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(defaults.read_text())["environment"] == {"GLIBC_TUNABLES": own} and "malloc:" not in run.stdout

@@ -131,7 +131,7 @@ def recommendation(rows: list[Row]) -> str:
                 f"{head}, the fastest here at autocast's accuracy or better; graphamp's fastest, {fastest_ours.variant}, "
                 f"takes {fastest_ours.median_ms / best.median_ms:.2f}x its time{_within_noise(best, fastest_ours)}."
             )
-        elif fastest_alt is not None:
+        elif fastest_alt is not None and fastest_alt is not best:
             lines.append(
                 f"{head}: {fastest_alt.median_ms / best.median_ms:.2f}x faster than the fastest alternative, "
                 f"{fastest_alt.variant} ({fastest_alt.median_ms:.3g} ms), at autocast's accuracy or better"

@@ -7,6 +7,8 @@ import csv
 import json
 import os
 import platform
+import sys
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -17,6 +19,41 @@ from graphamp.hardware import capability
 # Environment variables that change how the process allocates memory, and with it the page faults a
 # variant's calls take (docs/benchmark.md#page-faults): a run records the ones set.
 ALLOCATOR_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+# glibc malloc's thresholds the bench's own process runs with (docs/benchmark.md#page-faults):
+# 4 GiB free kept before trimming, blocks up to 32 MiB from the heap. Both, since setting one turns
+# off glibc's adjusting of the other.
+STEADY_MALLOC = "glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432"
+# Set in the re-run process, so that the header can say the bench set the thresholds itself.
+_SET_BY_BENCH = "GRAPHAMP_BENCH_STEADY_MALLOC"
+
+
+def steady_malloc_env(environ: Mapping[str, str], libc: str) -> dict[str, str] | None:
+    """The environment to run the bench again in, with glibc malloc's thresholds set; None where
+    that does not apply: another C library, or the allocator already chosen (any of ALLOCATOR_ENV
+    set, by the user or by an earlier re-run).
+
+    >>> steady_malloc_env({"PATH": "/bin"}, "glibc")["GLIBC_TUNABLES"] == STEADY_MALLOC
+    True
+    >>> steady_malloc_env({"LD_PRELOAD": "libjemalloc.so"}, "glibc") is None, steady_malloc_env({}, "") is None
+    (True, True)
+    """
+    if libc != "glibc" or any(environ.get(name) for name in ALLOCATOR_ENV):
+        return None
+    return {**environ, "GLIBC_TUNABLES": STEADY_MALLOC, _SET_BY_BENCH: "1"}
+
+
+def rerun_with_steady_malloc(argv: Sequence[str]) -> None:
+    """Run ``graphamp bench`` again in this process's place with glibc malloc's thresholds set
+    (``argv``: the command's arguments, ``bench`` first), where :func:`steady_malloc_env` applies:
+    with glibc's defaults, whether a variant's calls fault their buffers in again depends on what
+    the process allocated before, which can double a small model's time. The ``graphamp`` command
+    calls it; ``graphamp.bench.run`` and ``main([...])`` never re-run anything."""
+    env = steady_malloc_env(os.environ, platform.libc_ver()[0])
+    if env is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-c", "import sys; from graphamp.cli import main; sys.exit(main())", *argv], env)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +80,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--csv", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="bar chart of the ratios to eager autocast (needs matplotlib)")
+    p.add_argument(
+        "--malloc-defaults", action="store_true",
+        help="measure with glibc malloc's default thresholds (by default the graphamp command runs the bench with both "
+        "set, unless GLIBC_TUNABLES or LD_PRELOAD is set: docs/benchmark.md#page-faults)",
+    )
     p.set_defaults(func=main)
 
 
@@ -64,6 +106,9 @@ def main(args: argparse.Namespace) -> int:
     if environment:
         machine += ", " + " ".join(f"{k}={v}" for k, v in environment.items())
     print(f"graphamp bench: task={args.task} dtype={args.dtype} ({machine})")
+    if os.environ.get(_SET_BY_BENCH) and environment.get("GLIBC_TUNABLES") == STEADY_MALLOC:
+        print("malloc: glibc's thresholds set by graphamp bench, so that no variant's time depends on when malloc "
+              "returns memory to the OS (--malloc-defaults measures without; docs/benchmark.md#page-faults)")
     print(f"capability: {capability('cpu').line()}")
     if torch.cuda.is_available():
         print(f"capability: {capability('cuda').line()}")
