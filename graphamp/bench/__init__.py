@@ -405,11 +405,10 @@ def _faults_note(rows: list[Row]) -> list[str]:
         return []
     named = ", ".join(f"{r.model} {r.variant} ({r.faults_per_call:.0f})" for r in faulted)
     return [
-        f"page faults per call: {named}. glibc's malloc gave these variants' freed buffers back to the OS "
-        "between calls, so each call faulted fresh pages in: their times include that, and it depends on the "
-        "process's history, not on the variant alone. For steady numbers, and in deployment, keep freed memory "
-        "(GLIBC_TUNABLES with both glibc.malloc.trim_threshold and glibc.malloc.mmap_threshold, or jemalloc / "
-        "tcmalloc): see docs/benchmark.md#page-faults."
+        f"page faults per call: {named}. These variants' calls faulted fresh pages in, and their times include "
+        "that: memory malloc gave back to the OS between calls (with glibc's default thresholds, whether it does "
+        "depends on what ran before in the process), or blocks above malloc's mapping threshold (32 MiB at most "
+        "in glibc), which it maps anew on every call. See docs/benchmark.md#page-faults."
     ]
 
 
