@@ -292,6 +292,17 @@ class AmpModule(GraphModule):
 
     def _call_graph(self, args: tuple, kwargs: dict) -> Any:
         info = self.__dict__.get("_graphamp")
+        self.check_structure(args, kwargs)
+        restore = (peek_graph_info(self) or GraphInfo()).restore_on_refusal
+        with restored_on_refusal(self, *restore) if restore else contextlib.nullcontext():
+            if info is not None and info.inference:
+                with torch.no_grad():
+                    return self._call_without_autocast(info, args, kwargs)
+            return self._call_without_autocast(info, args, kwargs)
+
+    def check_structure(self, args: tuple, kwargs: dict) -> None:
+        """Raise :class:`graphamp.InputStructureError` where these inputs differ from the example in
+        structure or in the non-tensor values the graph baked in."""
         expected = self.__dict__.get("_graphamp_signature")
         arity = self.__dict__.get("_graphamp_arity")
         plain = arity is not None and not kwargs and len(args) == arity
@@ -306,12 +317,6 @@ class AmpModule(GraphModule):
                 "non-tensor values from the example the graph was converted for, which it baked in: "
                 f"{describe_signature(input_signature(args, kwargs))} vs {describe_signature(expected)}."
             )
-        restore = (peek_graph_info(self) or GraphInfo()).restore_on_refusal
-        with restored_on_refusal(self, *restore) if restore else contextlib.nullcontext():
-            if info is not None and info.inference:
-                with torch.no_grad():
-                    return self._call_without_autocast(info, args, kwargs)
-            return self._call_without_autocast(info, args, kwargs)
 
     def _call_shape_class(self, refused: InputMismatchError, args: tuple, kwargs: dict) -> Any:
         """Run the module converted for these inputs' shape class (or structure), converting it on
