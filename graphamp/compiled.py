@@ -226,17 +226,20 @@ class CompiledAmpModule(nn.Module):
         ambient = torch.is_autocast_enabled(info.device_type)
         restore = (peek_graph_info(self.amp) or GraphInfo()).restore_on_refusal
         # The structure and flattening the converted module's forward does, here in Python: dynamo
-        # traces the graph alone, so its guards are the graph's (per call, ~80 us fewer on the bench's
-        # conv net than with the module's forward traced).
+        # traces the graph alone, so its guards are the graph's.
         self.amp._check_parameters()  # a parameter replaced on the model: ModelChangedError, as uncompiled
-        self.amp.check_structure(args, kwargs)
         flat_in, out_spec = flat_io(self.amp)
-        flat = fx_pytree.tree_flatten_spec((list(args), dict(kwargs)), flat_in) if flat_in is not None else list(args)
+        arity = self.amp.__dict__.get("_graphamp_arity")
+        if arity is not None and not kwargs and len(args) == arity and all(isinstance(a, torch.Tensor) for a in args):
+            flat = args  # the example's form, n positional tensors: the graph's inputs, in order
+        else:
+            self.amp.check_structure(args, kwargs)
+            flat = fx_pytree.tree_flatten_spec((list(args), dict(kwargs)), flat_in) if flat_in is not None else list(args)
         with (
             restored_on_refusal(self.amp, *restore) if restore else _nothing(),
             compiled_guards(),
             autocast_off((info.device_type,)) if ambient else _nothing(),
-            torch.no_grad() if info.inference else _nothing(),
+            torch.no_grad() if info.inference and torch.is_grad_enabled() else _nothing(),
             compile_scoped(*self._compile_settings()),
         ):
             out = self._compiled_fn()(*flat)
