@@ -6,9 +6,9 @@ matmuls. So the compiled path hands the converted graph to ``torch.compile`` wit
 every cast is graphamp's, and inductor fuses them into its kernels. Dynamo traces the graph alone
 (:func:`flat_program`, over flat tensors and the module's own parameters): the converted module's
 input checks and pytree flattening run in Python around it, since traced they add guards that
-dynamo evaluates on every call (on the bench's conv net, 468 guard lines against 236).
-A parameter replaced on the model after conversion raises ``ModelChangedError``, as uncompiled. With ``inference=True`` inductor's freezing
-constant-folds the weights, which the converted graph already holds in low precision, and prepacks
+dynamo evaluates on every call (on the bench's conv net, 468 guard lines against 236). A parameter
+replaced on the model after conversion raises ``ModelChangedError``, as uncompiled. With
+``inference=True`` inductor's freezing constant-folds the weights, which the converted graph already holds in low precision, and prepacks
 them for oneDNN.
 
 It is opt-in and not bitwise: inductor computes fused elementwise chains, reductions (layer_norm,
@@ -229,9 +229,8 @@ class CompiledAmpModule(nn.Module):
         # traces the graph alone, so its guards are the graph's.
         self.amp._check_parameters()  # a parameter replaced on the model: ModelChangedError, as uncompiled
         flat_in, out_spec = flat_io(self.amp)
-        arity = self.amp.__dict__.get("_graphamp_arity")
-        if arity is not None and not kwargs and len(args) == arity and all(isinstance(a, torch.Tensor) for a in args):
-            flat = args  # the example's form, n positional tensors: the graph's inputs, in order
+        if self.amp.plain_call(args, kwargs):
+            flat = args
         else:
             self.amp.check_structure(args, kwargs)
             flat = fx_pytree.tree_flatten_spec((list(args), dict(kwargs)), flat_in) if flat_in is not None else list(args)

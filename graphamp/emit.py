@@ -304,19 +304,23 @@ class AmpModule(GraphModule):
         """Raise :class:`graphamp.InputStructureError` where these inputs differ from the example in
         structure or in the non-tensor values the graph baked in."""
         expected = self.__dict__.get("_graphamp_signature")
-        arity = self.__dict__.get("_graphamp_arity")
-        plain = arity is not None and not kwargs and len(args) == arity
-        if plain:
-            for a in args:
-                if not isinstance(a, torch.Tensor):
-                    plain = False
-                    break
-        if expected is not None and not plain and input_signature(args, kwargs) != expected:
+        if expected is not None and not self.plain_call(args, kwargs) and input_signature(args, kwargs) != expected:
             raise InputStructureError(
                 "these inputs differ in structure (positional count, keyword names, nesting) or in "
                 "non-tensor values from the example the graph was converted for, which it baked in: "
                 f"{describe_signature(input_signature(args, kwargs))} vs {describe_signature(expected)}."
             )
+
+    def plain_call(self, args: tuple, kwargs: dict) -> bool:
+        """Whether these inputs have the example's form where that was n positional tensors: then
+        they pass every structure check and are the graph's inputs, in order."""
+        arity = self.__dict__.get("_graphamp_arity")
+        if arity is None or kwargs or len(args) != arity:
+            return False
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                return False
+        return True
 
     def _call_shape_class(self, refused: InputMismatchError, args: tuple, kwargs: dict) -> Any:
         """Run the module converted for these inputs' shape class (or structure), converting it on
