@@ -244,3 +244,27 @@ def test_the_graphamp_command_benches_with_glibcs_thresholds_set(tmp_path):
     run = _command(["bench", "--model", "mlp", "--variants", "fp32", "--rounds", "1", "--json", str(defaults)], {**env, "GLIBC_TUNABLES": own})
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(defaults.read_text())["environment"] == {"GLIBC_TUNABLES": own} and "malloc:" not in run.stdout
+
+
+def test_the_round_order_alternates(monkeypatch):
+    # A variant's first calls after another one ran are the slower (its weights were evicted), so no
+    # variant may always follow the same one: the order reverses every other round.
+    names = {}
+    real_prepare = bench.prepare
+
+    def prepare(v, *args, **kwargs):
+        variant = real_prepare(v, *args, **kwargs)
+        names[variant.step] = v
+        return variant
+
+    timed = []
+
+    def seconds_per_call(step, number):
+        if number > 1:  # a round's window (the first call, number=1, sizes it)
+            timed.append(names[step])
+        return 1e-3
+
+    monkeypatch.setattr(bench, "prepare", prepare)
+    monkeypatch.setattr(bench, "_seconds_per_call", seconds_per_call)
+    bench.run(["mlp"], task="infer", dtype="bf16", variants=["fp32", "autocast", "graphamp"], rounds=3, limits=False)
+    assert timed == ["fp32", "autocast", "graphamp", "graphamp", "autocast", "fp32", "fp32", "autocast", "graphamp"]

@@ -272,7 +272,9 @@ def _run(
             eta.per_round(model_name, v, per_call * numbers[v])
         faulted: dict[str, int | None] = dict.fromkeys(live, 0)
         for r in range(rounds):
-            for v in live:
+            # The order alternates (A, B, C, C, B, A, ...): no variant always follows the same one, whose
+            # run evicts its weights from the caches (its first calls after a switch are the slower).
+            for v in live if r % 2 == 0 else live[::-1]:
                 show_progress(f"[{model_name}] round {r + 1}/{rounds} {v} {eta.line()}")
                 seconds, n = hardware.faults_of(lambda: _seconds_per_call(prepared[v].step, numbers[v]))
                 model_rows[v].samples.append(seconds * 1e3)
