@@ -70,13 +70,14 @@ CITED = (
           "Intel Xeon (fp16 native through avx512_fp16, at about fp32's matmul rate; no amx_fp16), with the cores "
           "to itself. Eager fp16 autocast is slower than fp32 here (40x on the conv net, whose fp16 convolutions "
           "are slow), so compiled fp32 is the alternative to beat and graphamp's autotune raises the slow ops."),
-    Cited("bench-2026-12-01-amx-infer-bf16.json", "Speed: inference, bf16 on an Intel Xeon with AMX, glibc's thresholds set",
-          "2d5a8e5",
-          "Eval under `no_grad` on the four bench models, every variant of the task, on the Intel Xeon with AMX-bf16 and "
-          "avx512_fp16, with the cores to itself, run by the `graphamp bench` command with glibc malloc's thresholds "
-          "set ([Page faults](benchmark.md#page-faults)). Rounds spread widely on this machine that day (the BERT-like "
-          "model's compiled rows from 11 to 20 ms), and every order between graphamp's fastest and the fastest "
-          "alternative is within the run's noise."),
+    Cited("bench-2026-12-01b-amx-infer-bf16.json", "Speed: inference, bf16 on an Intel Xeon with AMX, glibc's thresholds set",
+          "fdbc5e9",
+          "Eval under `no_grad` on the four bench models, every variant of the task, 9 rounds in alternating order, on "
+          "the Intel Xeon with AMX-bf16 and avx512_fp16, with the cores to itself, run by the `graphamp bench` command "
+          "with glibc malloc's thresholds set ([Page faults](benchmark.md#page-faults)). graphamp's compiled variants "
+          "run the program `torch.compile` with freezing runs, so on three models their order with "
+          "compile_autocast_freezing is within the run's noise: parity, not a lead. The transformer encoder's fused "
+          "layer is not compiled by either torch.compile variant here (compile_autocast takes fp32's time)."),
     Cited("bench-2026-12-01-amx-train-bf16.json", "Speed: training step, bf16 on an Intel Xeon with AMX, glibc's thresholds set",
           "2d5a8e5",
           "Train mode, forward, backward and AdamW step, on the same machine right after the inference run, the same "
@@ -269,7 +270,7 @@ CITED = (
 # The speed summary, bf16: one table per CPU class measured, each from its own files, all of them in
 # docs/measurements.md's SPEED_BY_CLASS section, in this order.
 SPEED_FILES = {
-    "xeon-amx": ("bench-2026-12-01-amx-infer-bf16.json", "bench-2026-12-01-amx-train-bf16.json"),
+    "xeon-amx": ("bench-2026-12-01b-amx-infer-bf16.json", "bench-2026-12-01-amx-train-bf16.json"),
     "epyc-avx512-bf16": ("bench-2026-11-28p-infer-bf16.json", "bench-2026-11-28j-train-bf16.json"),
     "epyc-avx2": ("bench-2026-11-29-avx2-infer-bf16.json", "bench-2026-11-29-avx2-train-bf16.json",
                   "bench-2026-11-29c-avx2-train-bf16-gpt2-bert.json"),
