@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 from graphamp.capture.kernels import eager_kernel_metas
 from graphamp.emit import AmpModule
 from graphamp.node_info import GRAPHAMP, GraphInfo, graph_info, peek_graph_info
-from graphamp.errors import CompileError, CompileFallbackWarning, GraphampError, InputMismatchError, InputShapeError, InputValueError
+from graphamp.errors import CompileError, CompileFallbackWarning, GraphampError, InputMismatchError, InputShapeError, InputValueError, ModelChangedError
 from graphamp.runtime import compiled_guards, restored_on_refusal
 from graphamp.shared_state import compile_scoped
 from graphamp.spec import autocast_off
@@ -210,8 +210,8 @@ class CompiledAmpModule(nn.Module):
                     stacklevel=2,
                 )
             return self.amp(*args, **kwargs)
-        except InputMismatchError:
-            raise  # another dtype or structure: the uncompiled module refuses it too
+        except (InputMismatchError, ModelChangedError):
+            raise  # another dtype or structure, or a replaced parameter: the uncompiled module refuses it too
         except Exception as e:
             if not _is_compile_failure(e):
                 raise
@@ -335,8 +335,11 @@ def flat_program(amp: AmpModule) -> GraphModule:
     """``amp``'s graph as a GraphModule over its flat tensor inputs, returning its flat outputs, that
     reads ``amp``'s own submodules, parameters and buffers (the model's objects, as they are at each
     call): what :class:`CompiledAmpModule` compiles."""
-    graph = copy.deepcopy(amp.graph)
-    graph._codegen = torch.fx.graph.CodeGen()
+    # Graph.__deepcopy__ less its codegen's copy: the plain CodeGen replaces it, and deep-copying the
+    # pytree specs it holds warns (FutureWarning, LeafSpec) in torch 2.13.
+    graph = torch.fx.Graph()
+    output, old_output = graph.graph_copy(amp.graph, {}, return_output_node=True)
+    graph.output(output, type_expr=getattr(old_output, "type", None)).meta = copy.copy(old_output.meta)
     program = GraphModule(amp, graph, class_name="GraphampFlatProgram")
     # Not the copies GraphModule makes of the attributes the graph reads: the converted module's own.
     for name in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):

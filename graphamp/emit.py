@@ -499,6 +499,11 @@ class AmpModule(GraphModule):
         """A copy as ``torch.save``/``torch.load`` makes one (its own parameters, model and record
         of the conversion); FX's deepcopy would keep only FX's attributes."""
         rebuild, (body, import_block) = self.__reduce__()
+        # Pytree specs are immutable: the copy shares them (deep-copying one warns in torch 2.13,
+        # FutureWarning: isinstance(treespec, LeafSpec)).
+        for value in (body.get("_in_spec"), body.get("_out_spec"), *(body.get("_graphamp_signature") or ())):
+            if isinstance(value, pytree.TreeSpec):
+                memo.setdefault(id(value), value)
         new = rebuild(copy.deepcopy(body, memo), import_block)
         memo[id(self)] = new
         return new
