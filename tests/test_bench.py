@@ -268,3 +268,22 @@ def test_the_round_order_alternates(monkeypatch):
     monkeypatch.setattr(bench, "_seconds_per_call", seconds_per_call)
     bench.run(["mlp"], task="infer", dtype="bf16", variants=["fp32", "autocast", "graphamp"], rounds=3, limits=False)
     assert timed == ["fp32", "autocast", "graphamp", "graphamp", "autocast", "fp32", "fp32", "autocast", "graphamp"]
+
+
+def test_the_rerun_keeps_pythons_own_options(monkeypatch):
+    # python -W error -X dev -m graphamp bench ...: the re-run with glibc's thresholds set runs under
+    # the same warning filters and -X options.
+    from graphamp.cli import bench as bench_cli
+
+    ran = []
+    monkeypatch.setattr(bench_cli.os, "execve", lambda path, argv, env: ran.append(argv))
+    monkeypatch.setattr(bench_cli.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    for name in bench_cli.ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(bench_cli.sys, "warnoptions", ["error::DeprecationWarning"])
+    monkeypatch.setattr(bench_cli.sys, "_xoptions", {"faulthandler": True})
+    bench_cli.rerun_with_steady_malloc(["bench", "--model", "mlp"])
+    (argv,) = ran
+    flags = argv[1:argv.index("-c")]
+    assert "-Werror::DeprecationWarning" in flags and ["-X", "faulthandler"] in [flags[i:i + 2] for i in range(len(flags))]
+    assert argv[-3:] == ["bench", "--model", "mlp"]

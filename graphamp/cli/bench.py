@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import platform
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -53,7 +54,10 @@ def rerun_with_steady_malloc(argv: Sequence[str]) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-c", "import sys; from graphamp.cli import main; sys.exit(main())", *argv], env)
+    # Python's own options (-W, -X, -O, -I, ...) as this interpreter got them, the way
+    # multiprocessing passes them to the processes it starts.
+    flags = subprocess._args_from_interpreter_flags()
+    os.execve(sys.executable, [sys.executable, *flags, "-c", "import sys; from graphamp.cli import main; sys.exit(main())", *argv], env)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
