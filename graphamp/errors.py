@@ -100,7 +100,8 @@ class CheckSkippedWarning(UserWarning):
     ``reason`` says why: ``"graph_break"`` (the graph holds only part of the frame),
     ``"random"`` (the graph draws random numbers: dropout in training), ``"error"`` (a run of the
     check raised), ``"unpaired"`` (the graph's outputs could not be paired with the frame's return
-    value), ``"no_frame"`` (dynamo's frame could not be rebuilt), ``"gradients"`` (the outputs were
+    value), ``"unread"`` (the outputs returned inside an object whose contents the backend cannot
+    locate were not compared; the others were), ``"no_frame"`` (dynamo's frame could not be rebuilt), ``"gradients"`` (the outputs were
     compared, the gradients not), ``"break_instruction"`` (the instruction dynamo runs eagerly at a
     graph break could not be observed, so its torch calls were not compared with eager autocast's).
     """

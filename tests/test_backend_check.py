@@ -157,7 +157,40 @@ def test_outputs_are_paired_through_the_return_value(monkeypatch):
     monkeypatch.setattr(eager_check, "_pairs", spy)
     with silent(), torch.no_grad():
         compiled(Nested())(torch.randn(4, 8), torch.ones(4, dtype=torch.bool))
-    assert [(j, str(w)) for j, w in seen[0]] == [(0, "output['h']"), (1, "output['pair'][0]")]
+    pairs, unread = seen[0]
+    assert [(j, str(w)) for j, w in pairs] == [(0, "output['h']"), (1, "output['pair'][0]")] and unread == ()
+
+
+class Box:
+    """An object of the model's own that pytree does not list, as transformers' DynamicCache."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class ReturnsABox(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x), Box(self.b(x))
+
+
+def test_outputs_beside_an_unlisted_object_are_compared_and_the_object_is_named(monkeypatch):
+    # A causal LM returns its logits beside a DynamicCache: the whole check was skipped ("unpaired"),
+    # so a difference in the logits went unsaid. The logits are compared; the cache is named.
+    model, x = ReturnsABox(), torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as record, torch.no_grad():
+        warnings.simplefilter("always")
+        compiled(model)(x)
+    assert not [w for w in record if isinstance(w.message, EagerPathWarning)]
+    assert "the 1 tensor it returns where the backend can locate them equal eager autocast's, but those it returns inside a Box" in skipped(record, "unread")
+    torch._dynamo.reset()
+    eager_check._said.clear()
+    edit_graph(monkeypatch, lambda graph, outs: [graph.call_function(torch.ops.aten.mul.Tensor, (o, 2)) for o in outs])
+    with torch.no_grad(), pytest.warns(EagerPathWarning, match=r"1 of the tensors it returns differ .*\(the frame's output\[0\]\)"):
+        compiled(model)(x)
 
 
 # In training, the gradients

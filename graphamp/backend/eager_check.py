@@ -229,7 +229,7 @@ def check_outputs(
         say_skipped(name, "error", frame=frame, message=f"eager autocast could not run the frame here ({_eager_failure(frame, device_type, dtype, cache_enabled)}), so the compiled graph was not compared with it.")
         return False
     try:
-        pairs, differences = _compare(run, example_inputs, frame, eager, graph=graph, traced=traced)
+        pairs, differences, unread = _compare(run, example_inputs, frame, eager, graph=graph, traced=traced)
     except _CannotCompare as e:
         say_skipped(name, e.reason, frame=frame, message=e.message)
         return False
@@ -238,6 +238,11 @@ def check_outputs(
     if differences:
         _warn_outputs(name, differences, len(pairs), "")
         return True
+    if unread:
+        say_skipped(name, "unread", frame=frame, message=(
+            f"the {len(pairs)} tensor{'s' if len(pairs) != 1 else ''} it returns where the backend can locate them equal eager autocast's, but those "
+            f"it returns inside {_types(unread)}, whose contents the backend cannot locate, were not compared."
+        ))
     if grads:
         _check_gradients(name, run, example_inputs, frame, pairs, device_type=device_type, dtype=dtype, cache_enabled=cache_enabled)
     return True
@@ -254,10 +259,10 @@ class _CannotCompare(Exception):
 def _compare(
     run: Callable[..., Any], example_inputs: Sequence[Any], frame: Frame, eager: EagerRun | None, *,
     graph: GraphModule, traced: GraphModule | None,
-) -> tuple[list[tuple[int, Where]], list[tuple[int, Where, str]]]:
+) -> tuple[list[tuple[int, Where]], list[tuple[int, Where, str]], tuple[str, ...]]:
     """Run ``run`` on the call's inputs and pair its outputs with eager autocast's result: the
-    pairs and their differences (no pairs where the frame returns none of the graph's outputs).
-    Raises _CannotCompare where it cannot."""
+    pairs, their differences, and the types of returned objects whose outputs could not be paired
+    (not compared). Raises _CannotCompare where it cannot compare any."""
     drawn = _draws(graph)
     if drawn:
         raise _CannotCompare("random", (
@@ -283,12 +288,18 @@ def _compare(
     received = [*example_inputs, *pytree.tree_leaves((frame.args, frame.kwargs))]
     received += [t for m in _modules_reached(frame) for t in (*m.parameters(), *m.buffers())]
     try:
-        pairs = _pairs(traced, eager.result, outs, received)
+        pairs, unread = _pairs(traced, eager.result, outs, received)
     except _Unpaired as e:
         raise _CannotCompare("unpaired", f"the backend could not pair the graph's outputs with the value the frame returns ({e}), so they were not compared with eager autocast's.") from e
     if not pairs and any(isinstance(o, torch.Tensor) for o in outs):
+        if unread:
+            raise _CannotCompare("unpaired", f"the frame returns the graph's outputs inside {_types(unread)}, whose contents the backend cannot locate, so they were not compared with eager autocast's.")
         raise _CannotCompare("unpaired", "the frame returns none of the graph's outputs (it stores them elsewhere), so they were not compared with eager autocast's.")
-    return pairs, _differences(outs, eager.result, pairs)
+    return pairs, _differences(outs, eager.result, pairs), unread
+
+
+def _types(names: Sequence[str]) -> str:
+    return " and ".join(f"a {n}" for n in names)
 
 
 def matches_eager(
@@ -300,20 +311,27 @@ def matches_eager(
     if frame is None or (traced is not None and _ends_at_graph_break(traced)):
         return False
     try:
-        pairs, differences = _compare(run, example_inputs, frame, eager, graph=graph, traced=traced)
+        pairs, differences, unread = _compare(run, example_inputs, frame, eager, graph=graph, traced=traced)
     except _CannotCompare:
         return False
-    return bool(pairs) and not differences
+    return bool(pairs) and not differences and not unread
 
 
-def _pairs(traced: GraphModule | None, result: Any, outs: list[Any], received: list[Any]) -> list[tuple[int, Where]]:
-    paths = returned_outputs(traced) if traced is not None else None
-    if paths is not None:
-        expected = traced.graph.output_node().args[0]
-        if len(_flat(expected)) != len(outs):
-            raise _Unpaired(f"dynamo's graph has {len(_flat(expected))} outputs and the rewritten graph {len(outs)}")
-        return [(j, Where(paths[j])) for j in sorted(paths)]
-    return flat_pairs(result, outs, received)
+def _pairs(traced: GraphModule | None, result: Any, outs: list[Any], received: list[Any]) -> tuple[list[tuple[int, Where]], tuple[str, ...]]:
+    """The (graph output, place in the frame's return value) pairs, and the types of the objects in
+    it whose tensors could not be placed (their outputs are not compared)."""
+    returned = returned_outputs(traced) if traced is not None else None
+    if returned is None:
+        return flat_pairs(result, outs, received), ()
+    expected = traced.graph.output_node().args[0]
+    if len(_flat(expected)) != len(outs):
+        raise _Unpaired(f"dynamo's graph has {len(_flat(expected))} outputs and the rewritten graph {len(outs)}")
+    if returned.unread:
+        try:  # the result's pytree may list what the tracer did not (a registered output class)
+            return flat_pairs(result, outs, received), ()
+        except _Unpaired:
+            pass
+    return [(j, Where(returned.paths[j])) for j in sorted(returned.paths)], returned.unread
 
 
 def _differences(outs: list[Any], result: Any, pairs: list[tuple[int, Where]]) -> list[tuple[int, Where, str]]:

@@ -41,7 +41,7 @@ from graphamp.spec import ambient_autocast, autocast_off
 
 __all__ = [
     "DtypeCall", "EagerRun", "Frame", "eager_backward", "eager_run", "fake_float_dtypes", "float_dtypes", "refused_for_two_dtypes", "call_name", "compiled_frame", "dtype_calls", "dtype_constants", "dtype_limits",
-    "TracingMode", "frame_name", "observe_eager_frame", "returned_outputs", "run_frame", "under_dynamo",
+    "Returned", "TracingMode", "frame_name", "observe_eager_frame", "returned_outputs", "run_frame", "under_dynamo",
 ]
 
 
@@ -77,16 +77,22 @@ def under_dynamo() -> bool:
         return False
 
 
-class _Unreadable(Exception):
-    """The frame's return value holds an object whose contents dynamo's tracer does not list."""
+class Returned(NamedTuple):
+    """Where the frame returns the outputs of dynamo's graph (:func:`returned_outputs`): ``paths``,
+    the pytree key path of each output's first place in the return value, by output index; and
+    ``unread``, the types of the objects in it whose contents dynamo's tracer does not list (a
+    transformers ``DynamicCache``, a Python number the graph computes), whose outputs have no path."""
+
+    paths: dict[int, tuple[Any, ...]]
+    unread: tuple[str, ...]
 
 
-def returned_outputs(traced: GraphModule) -> dict[int, tuple[Any, ...]] | None:
-    """Where in the frame's return value each output of dynamo's graph ``traced`` is returned: the
-    pytree key path of its first place there, by output index. Outputs the frame does not return
-    (a tensor it stores on an attribute) have none, nor do returned tensors the frame received (they
-    are no graph's). Read from dynamo's tracer while it compiles the frame's ``return``; None where
-    the tracer is not there or the return value holds an object whose contents it does not list.
+def returned_outputs(traced: GraphModule) -> Returned | None:
+    """Where in the frame's return value each output of dynamo's graph ``traced`` is returned.
+    Outputs the frame does not return (a tensor it stores on an attribute) have no path, nor do
+    returned tensors the frame received (they are no graph's), nor those inside an object the tracer
+    does not list (``Returned.unread`` names it). Read from dynamo's tracer while it compiles the
+    frame's ``return``; None where the tracer is not there.
 
     The graph's outputs are the return value's tensors deduplicated and side effects' tensors, in
     the order dynamo's code generation meets them; reading the return value's variables is what
@@ -105,13 +111,16 @@ def returned_outputs(traced: GraphModule) -> dict[int, tuple[Any, ...]] | None:
         index = {id(n): j for j, n in reversed(list(enumerate(nodes))) if isinstance(n, torch.fx.Node)}
         names = {n.name: j for j, n in reversed(list(enumerate(nodes))) if isinstance(n, torch.fx.Node)}
         found: dict[int, tuple[Any, ...]] = {}
-        _walk_returned(returned, (), index, names, found)
-        return found
-    except Exception:  # private to torch, or an object it does not list: pair otherwise
+        unread: list[str] = []
+        _walk_returned(returned, (), index, names, found, unread)
+        return Returned(found, tuple(dict.fromkeys(unread)))
+    except Exception:  # private to torch: pair otherwise
         return None
 
 
-def _walk_returned(vt: Any, path: tuple[Any, ...], index: dict[int, int], names: dict[str, int], found: dict[int, tuple[Any, ...]]) -> None:
+def _walk_returned(
+    vt: Any, path: tuple[Any, ...], index: dict[int, int], names: dict[str, int], found: dict[int, tuple[Any, ...]], unread: list[str],
+) -> None:
     from torch._dynamo.variables import ConstantVariable, ConstDictVariable, SymNodeVariable, TensorVariable
     from torch._dynamo.variables.lazy import LazyVariableTracker
     from torch._dynamo.variables.lists import BaseListVariable
@@ -122,7 +131,8 @@ def _walk_returned(vt: Any, path: tuple[Any, ...], index: dict[int, int], names:
         vt = vt.realize()
     if isinstance(vt, TensorVariable):
         if type(vt) is not TensorVariable:
-            raise _Unreadable(type(vt).__name__)  # a Python number or an ndarray the graph computes
+            unread.append(type(vt).__name__)  # a Python number or an ndarray the graph computes
+            return
         node = vt.as_proxy().node
         j = index.get(id(node), names.get(node.name) if node.op != "placeholder" else None)
         if j is not None:
@@ -135,15 +145,16 @@ def _walk_returned(vt: Any, path: tuple[Any, ...], index: dict[int, int], names:
         vt = base
     if isinstance(vt, BaseListVariable):
         for i, item in enumerate(vt.items):
-            _walk_returned(item, (*path, pytree.SequenceKey(i)), index, names, found)
+            _walk_returned(item, (*path, pytree.SequenceKey(i)), index, names, found, unread)
         return
     if isinstance(vt, ConstDictVariable):
         for key, item in vt.items.items():
-            _walk_returned(item, (*path, pytree.MappingKey(key.vt.as_python_constant())), index, names, found)
+            _walk_returned(item, (*path, pytree.MappingKey(key.vt.as_python_constant())), index, names, found, unread)
         return
     if getattr(vt, "source", None) is not None and not vt.is_mutable():
         return  # an object the frame received and returns unchanged
-    raise _Unreadable(type(vt).__name__)
+    value = getattr(vt, "value", None)  # the Python object, where the variable tracks one
+    unread.append(type(value).__name__ if value is not None else type(vt).__name__)
 
 
 def frame_arguments(code: types.CodeType, f_locals: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
