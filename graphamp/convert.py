@@ -16,6 +16,7 @@ from graphamp.config import Config
 from graphamp.eager import inputs_copied
 from graphamp.emit import AmpModule
 from graphamp.errors import CaptureError, PolicyDriftError
+from graphamp.inputs import CACHE_WAY_OUT, key_value_cache
 from graphamp.node_info import graph_info
 from graphamp.pipeline import build, conversions_of_one_capture, exact_again, self_checked
 from graphamp.self_check import applies, check_self_check
@@ -163,6 +164,9 @@ def check_inputs(model: object, args: object, kwargs: object, frontend: str) -> 
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of example keyword inputs, got {type(kwargs).__name__}")
+    cache = key_value_cache(tuple(args), dict(kwargs or {}))
+    if cache is not None:
+        raise CaptureError(f"{frontend}: the example passes a key/value cache, {cache}. {CACHE_WAY_OUT}")
     # graphamp runs the model on the example many times (capture, probes, the self-check): on its
     # own copy, so code that writes its inputs in place never writes the user's tensors.
     return inputs_copied((tuple(args), dict(kwargs or {})))

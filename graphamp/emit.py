@@ -40,7 +40,7 @@ from graphamp.eager import difference_without, inputs_copied
 from graphamp.shared_state import in_capture
 from graphamp.inputs import (  # is_all_ones too: graphamp.pipeline imports it from here
     ALL_ONES_AS_NONE, ALL_ONES_PROVEN, MAX_ALL_ONES_PROVEN, all_ones_key, describe_signature, input_guard, input_signature,
-    is_all_ones, plain_arity,
+    CACHE_WAY_OUT, is_all_ones, key_value_cache, plain_arity,
 )
 from graphamp.runtime import AmpTracer, cached_cast, read_state, rebuild_amp_module, restored_on_refusal
 from graphamp.runtime_saved import MODEL, NODE_META, node_meta_record
@@ -360,6 +360,9 @@ class AmpModule(GraphModule):
                 "fixed (or pass them as tensors), or convert with an example whose sizes the model's code lets "
                 "vary, or use torch.compile(model, backend=\"graphamp\")."
             ) from None
+        cache = key_value_cache(args, kwargs)
+        if cache is not None:  # checked before any run of the model, which would write into it
+            raise InputStructureError(f"{refused} These inputs pass a key/value cache, {cache}, which this module does not convert for. {CACHE_WAY_OUT}") from None
         spec = self.graphamp_info.spec()
         variant = self._converted(
             model, spec, self.graphamp_info.training, args, kwargs, f"these inputs {shapes}", refused=f"{refused} ",

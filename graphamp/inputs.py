@@ -21,6 +21,7 @@ from graphamp.runtime import InputGuard
 
 __all__ = [
     "ALL_ONES_AS_NONE",
+    "CACHE_WAY_OUT",
     "ALL_ONES_PROVEN",
     "MAX_ALL_ONES_PROVEN",
     "all_ones_key",
@@ -28,6 +29,7 @@ __all__ = [
     "input_guard",
     "input_signature",
     "is_all_ones",
+    "key_value_cache",
     "plain_arity",
 ]
 
@@ -41,6 +43,14 @@ ALL_ONES_PROVEN = "_graphamp_all_ones_proven"
 MAX_ALL_ONES_PROVEN = 64  # past this many mask shapes, all-ones masks are passed as given
 
 _TENSOR = "<tensor>"
+# What a refusal of a key/value cache among the inputs adds (key_value_cache).
+CACHE_WAY_OUT = (
+    "The model writes each call's keys and values into the cache in place, which a converted graph "
+    "cannot do (it would leave your cache as it was), so graphamp does not run the model on it. Way out: "
+    "call without a cache (use_cache=False), as scoring, evaluation and training do; for generation, "
+    "compile the model instead: torch.compile(model, backend=\"graphamp\", options={\"inner\": \"eager\"}) "
+    "or graphamp.integrations.transformers.compile (docs/integrations.md)."
+)
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple[Any, tuple]:
@@ -57,6 +67,25 @@ def describe_signature(signature: tuple[Any, tuple]) -> str:
     spec, constants = signature
     args, kwargs = pytree.tree_unflatten(list(constants), spec)
     return f"args={args!r} kwargs={kwargs!r}"
+
+
+def key_value_cache(args: tuple, kwargs: dict) -> str | None:
+    """Where the inputs hold a transformers key/value cache (a ``Cache``: ``DynamicCache``, ...),
+    which the model writes new keys and values into in place at every call: the argument, in words;
+    None where they hold none.
+
+    >>> assert key_value_cache((torch.ones(2),), {"use_cache": False}) is None
+    """
+    leaves = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)), is_leaf=_is_cache)[0]
+    for path, leaf in leaves:
+        if _is_cache(leaf):
+            where = f"{path[1].key}=" if path[0].idx == 1 else f"positional argument {path[1].idx}"
+            return f"{where}{pytree.keystr(path[2:])} (a {type(leaf).__name__})"
+    return None
+
+
+def _is_cache(value: Any) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
 
 
 def plain_arity(args: tuple, kwargs: dict) -> int | None:

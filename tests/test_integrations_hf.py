@@ -17,6 +17,7 @@ pytest.importorskip("accelerate")
 
 import factories
 
+import graphamp
 from graphamp.emit import AmpModule
 from graphamp.errors import CaptureError, EagerPathWarning, OptionError
 from graphamp.integrations import transformers as hf
@@ -370,3 +371,22 @@ def test_views_look_like_the_model_where_trainer_looks(tmp_path):
         assert view.config is model.config and view.transformer is model.transformer
         view.eval()  # the view's own flag and the shared submodules', as the model's train()/eval() set them
         assert not view.training and not model.transformer.training and model.training
+
+
+@pytest.mark.parametrize("argument", ["past_key_values", "cache"])
+def test_a_key_value_cache_is_refused_before_the_model_runs_on_it(argument):
+    # convert ran the model on the example's cache several times (capture, self-check), each run
+    # writing another step into it (12 positions became 16), then failed as "a graphamp bug"; a
+    # converted module called with a cache converted again for it, writing into it the same way.
+    lm = tiny_llama()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        cache = lm(input_ids=ids, use_cache=True).past_key_values
+    step = {"input_ids": torch.randint(0, VOCAB, (2, 1)), argument: cache}
+    with pytest.raises(CaptureError, match=f"the example passes a key/value cache, {argument}= \\(a DynamicCache\\).*use_cache=False"):
+        graphamp.convert(lm, (), step, dtype=torch.bfloat16)
+    assert cache.get_seq_length() == SEQ
+    amp = graphamp.convert(lm, (), {"input_ids": ids}, dtype=torch.bfloat16)
+    with pytest.raises(graphamp.InputStructureError, match="These inputs pass a key/value cache"):
+        amp(**step)
+    assert cache.get_seq_length() == SEQ

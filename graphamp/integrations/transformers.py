@@ -44,19 +44,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 import graphamp
 from graphamp.backend.options import BackendOptions
 from graphamp.config import Config
 from graphamp.eager import rng_kept
 from graphamp.errors import CaptureError, OptionError
+from graphamp.inputs import key_value_cache
 from graphamp.policy import resolve_dtype
 from graphamp.spec import autocast_off
 from graphamp.emit import MAX_SHAPE_CLASSES, AmpModule
 
 try:
-    import transformers
+    import transformers  # noqa: F401 (the optional dependency, checked at import)
 except ImportError as e:  # pragma: no cover - exercised only without the optional dependency
     raise ImportError("graphamp.integrations.transformers needs transformers: pip install transformers") from e
 
@@ -361,7 +361,7 @@ class _Compiled:
             try:
                 return self.compiled(*args, **kwargs)
             except AssertionError as e:
-                if "Guard failed on the same frame it was created" not in str(e) or not _holds_cache(args, kwargs):
+                if "Guard failed on the same frame it was created" not in str(e) or key_value_cache(args, kwargs) is None:
                     raise
                 raise CaptureError(
                     f"torch.compile(backend='graphamp') could not compile this {type(self.model).__name__} step with its "
@@ -372,6 +372,3 @@ class _Compiled:
                 ) from e
 
 
-def _holds_cache(args: tuple, kwargs: dict) -> bool:
-    cache_type = getattr(transformers, "Cache", None)
-    return cache_type is not None and any(isinstance(v, cache_type) for v in pytree.tree_leaves((args, kwargs)))
