@@ -97,6 +97,13 @@ CITED = (
           "depends on when malloc gives memory back to the OS (eager fp32 on the BERT-like model still took 110 faults "
           "per call; no other variant 10 or more). Compared with the run before it, the order of graphamp's "
           "fastest and compiled fp32 changes on two of the four models: a tie within noise."),
+    Cited("bench-2026-12-01b-amx-infer-fp16.json", "Speed: inference, fp16 on an Intel Xeon, rounds in alternating order",
+          "bf7c97d",
+          "The fp16 comparison again after the compiled call's Python was cut (d78696f), 9 rounds in alternating order, "
+          "glibc's thresholds set by the `graphamp bench` command. On three models autotune raises every op to fp32 and "
+          "graphamp's fastest runs the program compiled fp32 with freezing runs. On the BERT-like model it took 1.12x "
+          "compiled fp32's time here (paired per round: 1.13); profiled apart, the two programs call the same kernels "
+          "(125 MKL linears and 20 flash-attention calls per 5 steps) and time 38.9 against 39.3 ms."),
     Cited("bench-2026-11-30b-amx-infer-fp16-encoder.json", "Speed: nn.TransformerEncoder, inference, fp16, after the autotune fix",
           "7a82d86", "`nn.TransformerEncoder` in fp16 inference again on the same machine, every variant, at a commit "
           "where autotune's mixed plans on its fused layers run (graphamp commit `38344fc`)."),
