@@ -131,7 +131,7 @@ def _walk_returned(
         vt = vt.realize()
     if isinstance(vt, TensorVariable):
         if type(vt) is not TensorVariable:
-            unread.append(type(vt).__name__)  # a Python number or an ndarray the graph computes
+            unread.append("Python number or NumPy array")  # one the graph computes: no tensor in the return value
             return
         node = vt.as_proxy().node
         j = index.get(id(node), names.get(node.name) if node.op != "placeholder" else None)
