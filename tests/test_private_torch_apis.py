@@ -56,6 +56,7 @@ NOT_TORCH: dict[str, str] = {
     "_getframe": "Python's sys: backend/observe walks the stack up to the model code's call site.",
     "_fields": "Python's namedtuples: runtime and capture/functions rebuild a namedtuple from its parts.",
     "_SubParsersAction": "Python's argparse: the type of the subcommand table the CLI's add_parser functions take.",
+    "_args_from_interpreter_flags": "Python's subprocess: graphamp bench's re-run gets the interpreter's own options (-W, -X, ...), as multiprocessing passes them.",
 }
 
 # Torch state that only the calling thread sees: not process-wide, so not rows of the global-state
