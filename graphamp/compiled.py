@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import logging
 import math
 import threading
 import time
@@ -41,6 +42,8 @@ from torch.utils import _pytree as pytree
 
 from graphamp.capture.kernels import eager_kernel_metas
 from graphamp.emit import AmpModule
+from graphamp.model_binding import graph_reads
+from graphamp.model_state import Versions
 from graphamp.node_info import GRAPHAMP, GraphInfo, graph_info, peek_graph_info
 from graphamp.errors import CompileError, CompileFallbackWarning, GraphampError, InputMismatchError, InputShapeError, InputValueError, ModelChangedError
 from graphamp.runtime import compiled_guards, restored_on_refusal
@@ -54,6 +57,8 @@ __all__ = [
     "CompileError", "CompileFallbackWarning", "CompiledAmpModule", "CompiledOptimizerStep", "Drift", "compile_converted",
     "compiled_for_training", "measure_drift",
 ]
+
+_log = logging.getLogger("graphamp")
 
 # Ops whose values come from a random generator: inductor draws them from its own, so a compiled
 # training forward with dropout cannot be compared value by value with eager.
@@ -183,6 +188,8 @@ class CompiledAmpModule(nn.Module):
                         patches.update(list_mode_options(self.__dict__["_inductor_mode"]))
                     patches.update(self.__dict__.get("_options", {}))
                     compiled = torch.compile(_own_function(flat_program(self.amp)), backend=Inductor(patches))
+                    # Freezing folds the values of what the graph reads into the code compiled at the next call.
+                    self.__dict__["_folded"] = Versions(graph_reads(self.amp).values()) if self.__dict__["_freezing"] else None
                     self.__dict__["_compiled"] = compiled
         return compiled
 
@@ -228,6 +235,9 @@ class CompiledAmpModule(nn.Module):
         # The structure and flattening the converted module's forward does, here in Python: dynamo
         # traces the graph alone, so its guards are the graph's.
         self.amp._check_parameters()  # a parameter replaced on the model: ModelChangedError, as uncompiled
+        folded = self.__dict__.get("_folded")
+        if folded is not None and folded.moved():
+            self._compile_again_for_new_weights()
         flat_in, out_spec = flat_io(self.amp)
         if self.amp.plain_call(args, kwargs):
             flat = args
@@ -274,6 +284,19 @@ class CompiledAmpModule(nn.Module):
         again on the next call, since freezing folded the old values into the compiled code."""
         self.amp.refresh()
         self.__dict__["_compiled"] = None
+
+    def _compile_again_for_new_weights(self) -> None:
+        """A parameter or buffer freezing folded was updated in place since (``optimizer.step()``,
+        ``load_state_dict``): the compiled code holds the old values, so it is compiled again."""
+        again = self.__dict__.get("_compiled_again", 0)
+        self.__dict__["_compiled_again"] = again + 1
+        _log.log(
+            logging.WARNING if again == 0 else logging.INFO,
+            "graphamp: the weights of the compiled %s changed since inductor's freezing folded them into its code: "
+            "compiling again (%d time(s)). For weights that change between calls, convert with inference=False.",
+            type(self.amp).__name__.removesuffix("Amp"), again + 1,
+        )
+        self.refresh()
 
     def train(self, mode: bool = True) -> CompiledAmpModule:
         self.amp.train(mode)  # raises on a change: the mode is part of the graph

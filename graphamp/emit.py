@@ -34,8 +34,8 @@ from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
 from graphamp.node_info import GRAPHAMP, GraphInfo, NodeInfo, peek, peek_graph_info
 from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
-from graphamp.model_state import ModelState
-from graphamp.model_binding import graph_reads, in_model_order, share_state, signed_forward, training_as
+from graphamp.model_state import ModelState, Versions
+from graphamp.model_binding import FROZEN, FROZEN_VERSIONS, graph_reads, in_model_order, recast_frozen, share_state, signed_forward, training_as
 from graphamp.eager import difference_without, inputs_copied
 from graphamp.shared_state import in_capture
 from graphamp.inputs import (  # is_all_ones too: graphamp.pipeline imports it from here
@@ -259,6 +259,9 @@ class AmpModule(GraphModule):
         state = self.__dict__.get(_MODEL_STATE)
         if state is not None and not state.unchanged():
             self.check_model()
+        frozen = self.__dict__.get(FROZEN_VERSIONS)
+        if frozen is not None and frozen.moved():  # a weight inference=True cast once was updated
+            self.refresh()
 
     def check_model(self) -> None:
         """Raise :class:`graphamp.ModelChangedError` if the model does not hold, under each name it
@@ -410,26 +413,15 @@ class AmpModule(GraphModule):
         return code
 
     def refresh(self) -> None:
-        """Recompute the low-precision weight copies from the model's parameters.
-
-        Updates through a parameter itself (``optimizer.step()``, ``load_state_dict``) are seen
-        automatically; call this after changing one through ``.data``, which its version counter
-        does not see, or to re-cast the weights an ``inference=True`` module froze at conversion.
-        """
+        """Recompute the low-precision weight copies from the model's parameters. Updates through a
+        parameter itself (``optimizer.step()``, ``load_state_dict``, in-place ops) are seen at the
+        next call, frozen weights included; call this after changing one through ``.data``."""
         cache = getattr(self, WEIGHT_CACHE, None)
         if cache is not None:
             cache.clear()
         for variant in [*self.__dict__.get(_VARIANTS, ()), *self.__dict__.get(_MODES, {}).values()]:
             variant.refresh()
-        for path, source in self.__dict__.get("_graphamp_frozen", {}).items():
-            param = source()
-            if param is None:
-                raise RuntimeError(
-                    f"cannot refresh {path}: the model it was converted from is gone. Way out: keep the "
-                    "model alive, or load new weights with load_state_dict(model.state_dict())"
-                )
-            with torch.no_grad():
-                self.get_buffer(path).copy_(param)
+        recast_frozen(self)
 
     def train(self, mode: bool = True) -> AmpModule:
         """Set the training mode, as ``nn.Module.train``: the next call runs the graph converted in
@@ -481,7 +473,7 @@ class AmpModule(GraphModule):
         # Files keep FX's own code (plain get_attr reads); loading recompiles, which hoists again.
         body["_code"] = self._graph.python_code(root_module="self").src
         body["_tracer_cls"] = AmpTracer
-        body.pop("_graphamp_frozen", None)  # weak references to the source model do not travel
+        body.pop(FROZEN, None), body.pop(FROZEN_VERSIONS, None)  # weak references to the source model do not travel
         body.pop(_TRACEABLE, None)  # recompiled on load
         body.pop(_VARIANTS, None)  # converted again on first use after loading
         body.pop(_MODES, None)
@@ -567,7 +559,8 @@ def emit(
     )
     if spec.target == "module":
         bind_model(amp, model)
-    amp.__dict__["_graphamp_frozen"] = frozen
+    amp.__dict__[FROZEN] = frozen
+    amp.__dict__[FROZEN_VERSIONS] = Versions(source() for source in frozen.values()) if frozen else None
     if engine is not None:
         amp.__dict__[ENGINE] = engine
     if example is not None:

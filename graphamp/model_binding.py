@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["graph_reads", "in_model_order", "share_state", "signed_forward", "training_as"]
+from graphamp.model_state import Versions
+
+__all__ = ["FROZEN", "FROZEN_VERSIONS", "graph_reads", "in_model_order", "recast_frozen", "share_state", "signed_forward", "training_as"]
 
 
 def share_state(amp: nn.Module, model: nn.Module) -> None:
@@ -78,6 +80,28 @@ def in_model_order(amp: nn.Module, model: nn.Module) -> None:
             ordered = sorted(table.items(), key=lambda item: rank.get(item[0], len(rank)))
             table.clear()
             table.update(ordered)
+
+
+# An inference=True module's weights frozen to low precision: {buffer path: weak reference to the
+# model's parameter it was cast from}, and the Versions of those parameters when last cast.
+FROZEN = "_graphamp_frozen"
+FROZEN_VERSIONS = "_graphamp_frozen_versions"
+
+
+def recast_frozen(amp: nn.Module) -> None:
+    """Cast ``amp``'s frozen low-precision weights again from the model's parameters, and take their
+    versions: a later update in place of one of them casts again (``AmpModule._check_parameters``)."""
+    frozen = amp.__dict__.get(FROZEN) or {}
+    for path, source in frozen.items():
+        param = source()
+        if param is None:
+            raise RuntimeError(
+                f"cannot refresh {path}: the model it was converted from is gone. Way out: keep the "
+                "model alive, or load new weights with load_state_dict(model.state_dict())"
+            )
+        with torch.no_grad():
+            amp.get_buffer(path).copy_(param)
+    amp.__dict__[FROZEN_VERSIONS] = Versions(source() for source in frozen.values()) if frozen else None
 
 
 def graph_reads(amp: nn.Module) -> dict[str, torch.Tensor]:

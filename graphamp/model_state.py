@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-__all__ = ["ModelState"]
+__all__ = ["ModelState", "Versions"]
 
 # Registrations of a parameter, buffer or submodule on any module of the process, counted while
 # at least one ModelState lives (an int in a list: the hooks add to it without a lock; two threads
@@ -108,3 +109,33 @@ class ModelState:
             name for name, tensor in self.tensors.items()
             if now.get(name) is not (reads.get(name) if name in self.shared else tensor)
         ]
+
+
+class Versions:
+    """The version counters and data pointers of some tensors, held weakly, and whether any moved
+    since they were taken: an update in place (``optimizer.step()``, ``load_state_dict``, an
+    in-place op under ``no_grad``) moves the version, a swapped ``.data`` the pointer, and a tensor
+    gone counts as moved. An edit through ``.data`` in place moves neither.
+
+    >>> w = nn.Parameter(torch.zeros(2))
+    >>> versions = Versions([w])
+    >>> assert not versions.moved()
+    >>> with torch.no_grad():
+    ...     _ = w.add_(1)
+    >>> assert versions.moved()
+    >>> versions.take([w])
+    >>> assert not versions.moved()
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.take(tensors)
+
+    def take(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.entries = [(weakref.ref(t), t._version, t.data_ptr()) for t in tensors]
+
+    def moved(self) -> bool:
+        for ref, version, pointer in self.entries:
+            t = ref()
+            if t is None or t._version != version or t.data_ptr() != pointer:
+                return True
+        return False

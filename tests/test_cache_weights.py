@@ -3,6 +3,7 @@
 import io
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -142,6 +143,25 @@ def test_inference_mode_is_exact_and_holds_low_weights_only():
     assert query not in dict(amp.named_parameters())
     # the word embedding is used in fp32 (embedding is not on autocast's lists): shared, not copied
     assert amp.get_parameter("embeddings.word_embeddings.weight") is case.model.embeddings.word_embeddings.weight
+
+
+@pytest.mark.parametrize("update", ["optimizer.step()", "load_state_dict", "in place under no_grad", "a weight read in fp32"])
+def test_an_inference_module_follows_weights_updated_in_place(update):
+    # inference=True casts each low-precision weight once: an update of the model's weight was not
+    # seen, and the module mixed old low-precision weights with new fp32 ones (max diff 3.25 after
+    # load_state_dict), without a word.
+    model, x = _mlp(), torch.randn(4, 8)
+    amp = graphamp.convert(model, (x,), inference=True)
+    amp(x)
+    if update == "optimizer.step()":
+        model(x).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+    elif update == "load_state_dict":
+        model.load_state_dict({k: v * 2 for k, v in _mlp().state_dict().items()})
+    else:
+        with torch.no_grad():
+            (model[0].weight if update == "in place under no_grad" else model[3].weight).mul_(3.0)
+    assert torch.equal(amp(x), _eager(model, x))
 
 
 def test_inference_refresh_and_load_state_dict():

@@ -106,7 +106,10 @@ def test_inference_freezes_and_refresh_recompiles():
     with torch.no_grad():
         model[0].weight.mul_(-1)
         model[3].weight.mul_(2)  # layer_norm's weight, used in fp32
-    # What inductor folded (the linear's weight, prepacked where oneDNN runs bf16) is compiled again.
+    # What inductor folded (the linear's weight, prepacked where oneDNN runs bf16) is compiled again,
+    # at the next call: the compiled code returned the old weights' outputs without a word.
+    stale = cm(x)
+    assert _close(stale, _autocast(model, x)) and not torch.equal(stale, y)
     cm.refresh()
     assert _close(cm(x), _autocast(model, x))
 
