@@ -188,8 +188,9 @@ class CompiledAmpModule(nn.Module):
                         patches.update(list_mode_options(self.__dict__["_inductor_mode"]))
                     patches.update(self.__dict__.get("_options", {}))
                     compiled = torch.compile(_own_function(flat_program(self.amp)), backend=Inductor(patches))
-                    # Freezing folds the values of what the graph reads into the code compiled at the next call.
+                    # Freezing folds the values of what the graph reads, and does not write, into its code.
                     self.__dict__["_folded"] = Versions(graph_reads(self.amp).values()) if self.__dict__["_freezing"] else None
+                    self.__dict__["_settled"] = False
                     self.__dict__["_compiled"] = compiled
         return compiled
 
@@ -252,6 +253,8 @@ class CompiledAmpModule(nn.Module):
             compile_scoped(*self._compile_settings()),
         ):
             out = self._compiled_fn()(*flat)
+        if not self.__dict__.get("_settled", True):  # the first run: what it wrote in place is not folded
+            self.__dict__["_settled"], self.__dict__["_folded"] = True, self.__dict__["_folded"] and self.__dict__["_folded"].unmoved()
         return pytree.tree_unflatten(list(out), out_spec) if out_spec is not None else out
 
     def _compile_settings(self) -> tuple[Callable[[], contextlib.AbstractContextManager], ...]:
@@ -286,8 +289,7 @@ class CompiledAmpModule(nn.Module):
         self.__dict__["_compiled"] = None
 
     def _compile_again_for_new_weights(self) -> None:
-        """A parameter or buffer freezing folded was updated in place since (``optimizer.step()``,
-        ``load_state_dict``): the compiled code holds the old values, so it is compiled again."""
+        """A tensor freezing folded was updated in place since: its old value is in the compiled code."""
         again = self.__dict__.get("_compiled_again", 0)
         self.__dict__["_compiled_again"] = again + 1
         _log.log(

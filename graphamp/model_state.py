@@ -134,8 +134,17 @@ class Versions:
         self.entries = [(weakref.ref(t), t._version, t.data_ptr()) for t in tensors]
 
     def moved(self) -> bool:
-        for ref, version, pointer in self.entries:
-            t = ref()
-            if t is None or t._version != version or t.data_ptr() != pointer:
-                return True
-        return False
+        return any(self._moved(entry) for entry in self.entries)
+
+    def unmoved(self) -> Versions:
+        """These versions without the tensors that moved since they were taken (a program that
+        writes a buffer in place, batch norm's running statistics in training)."""
+        kept = Versions(())
+        kept.entries = [entry for entry in self.entries if not self._moved(entry)]
+        return kept
+
+    @staticmethod
+    def _moved(entry: tuple) -> bool:
+        ref, version, pointer = entry
+        t = ref()
+        return t is None or t._version != version or t.data_ptr() != pointer

@@ -114,6 +114,23 @@ def test_inference_freezes_and_refresh_recompiles():
     assert _close(cm(x), _autocast(model, x))
 
 
+def test_buffers_the_program_writes_do_not_compile_it_again():
+    # Batch norm in training mode updates its running statistics on every call: those are the
+    # program's own writes, not weights changed under it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)).train()
+    x = torch.randn(4, 8)
+    cm = graphamp.convert(model, (x,), inference=True, compile=True)
+    mean = model[1].running_mean.clone()
+    for _ in range(3):
+        cm(x)
+    assert not torch.equal(model[1].running_mean, mean) and cm.__dict__.get("_compiled_again", 0) == 0
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    cm(x)
+    assert cm.__dict__["_compiled_again"] == 1
+
+
 def test_dropout_in_training_is_not_compared_by_value():
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
     x = torch.randn(4, 8)
