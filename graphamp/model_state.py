@@ -114,8 +114,8 @@ class ModelState:
 class Versions:
     """The version counters and data pointers of some tensors, held weakly, and whether any moved
     since they were taken: an update in place (``optimizer.step()``, ``load_state_dict``, an
-    in-place op under ``no_grad``) moves the version, a swapped ``.data`` the pointer, and a tensor
-    gone counts as moved. An edit through ``.data`` in place moves neither.
+    in-place op under ``no_grad``) moves the version, a swapped ``.data`` the pointer; a tensor gone
+    (its model deleted) can no longer move. An edit through ``.data`` in place moves neither.
 
     >>> w = nn.Parameter(torch.zeros(2))
     >>> versions = Versions([w])
@@ -147,4 +147,4 @@ class Versions:
     def _moved(entry: tuple) -> bool:
         ref, version, pointer = entry
         t = ref()
-        return t is None or t._version != version or t.data_ptr() != pointer
+        return t is not None and (t._version != version or t.data_ptr() != pointer)
