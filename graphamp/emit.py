@@ -34,8 +34,8 @@ from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
 from graphamp.node_info import GRAPHAMP, GraphInfo, NodeInfo, peek, peek_graph_info
 from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
-from graphamp.model_state import ModelState, Versions
-from graphamp.model_binding import FROZEN, FROZEN_VERSIONS, graph_reads, in_model_order, recast_frozen, share_state, signed_forward, training_as
+from graphamp.model_state import ModelState
+from graphamp.model_binding import FROZEN, FROZEN_VERSIONS, graph_reads, in_model_order, recast_frozen, share_state, signed_forward, take_frozen_versions, training_as
 from graphamp.eager import difference_without, inputs_copied
 from graphamp.shared_state import in_capture
 from graphamp.inputs import (  # is_all_ones too: graphamp.pipeline imports it from here
@@ -560,7 +560,7 @@ def emit(
     if spec.target == "module":
         bind_model(amp, model)
     amp.__dict__[FROZEN] = frozen
-    amp.__dict__[FROZEN_VERSIONS] = Versions(source() for source in frozen.values()) if frozen else None
+    take_frozen_versions(amp)
     if engine is not None:
         amp.__dict__[ENGINE] = engine
     if example is not None:

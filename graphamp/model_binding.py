@@ -16,7 +16,7 @@ from torch import nn
 
 from graphamp.model_state import Versions
 
-__all__ = ["FROZEN", "FROZEN_VERSIONS", "graph_reads", "in_model_order", "recast_frozen", "share_state", "signed_forward", "training_as"]
+__all__ = ["FROZEN", "FROZEN_VERSIONS", "graph_reads", "in_model_order", "recast_frozen", "share_state", "signed_forward", "take_frozen_versions", "training_as"]
 
 
 def share_state(amp: nn.Module, model: nn.Module) -> None:
@@ -101,6 +101,13 @@ def recast_frozen(amp: nn.Module) -> None:
             )
         with torch.no_grad():
             amp.get_buffer(path).copy_(param)
+    take_frozen_versions(amp)
+
+
+def take_frozen_versions(amp: nn.Module) -> None:
+    """Record the versions of the parameters ``amp``'s frozen weights were cast from (None where
+    it froze none)."""
+    frozen = amp.__dict__.get(FROZEN) or {}
     amp.__dict__[FROZEN_VERSIONS] = Versions(source() for source in frozen.values()) if frozen else None
 
 
