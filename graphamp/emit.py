@@ -37,7 +37,7 @@ from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
 from graphamp.model_state import ModelState
 from graphamp.model_binding import FROZEN, FROZEN_VERSIONS, graph_reads, in_model_order, recast_frozen, share_state, signed_forward, take_frozen_versions, training_as
 from graphamp.eager import difference_without, inputs_copied
-from graphamp.shared_state import in_capture
+from graphamp.shared_state import in_capture, traced
 from graphamp.inputs import (  # is_all_ones too: graphamp.pipeline imports it from here
     ALL_ONES_AS_NONE, ALL_ONES_PROVEN, MAX_ALL_ONES_PROVEN, all_ones_key, describe_signature, input_guard, input_signature,
     CACHE_WAY_OUT, is_all_ones, key_value_cache, plain_arity,
@@ -131,7 +131,7 @@ class AmpModule(GraphModule):
         ``eval()``), grad mode where eager's program depends on it, and these inputs' shape class
         and structure, converting one on first use. Takes the model's arguments; each converted
         module's class shows the model's signature (``inspect.signature(amp.forward)``)."""
-        if torch.compiler.is_compiling():
+        if traced():
             return self._call_graph(args, kwargs)
         self._check_parameters()
         names = self.__dict__.get(ALL_ONES_AS_NONE)
@@ -387,7 +387,7 @@ class AmpModule(GraphModule):
         return self._run(args, kwargs)
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
-        if torch.compiler.is_compiling():  # dynamo traces the code without direct overload calls
+        if traced():  # dynamo traces the code without direct overload calls
             return self.__dict__[_TRACEABLE](self, *args, **kwargs)
         return type(self).__dict__[_GRAPH](self, *args, **kwargs)
 

@@ -49,6 +49,7 @@ from graphamp.runtime_guards import (
     COMPILED_REFUSAL, InputGuard, assert_condition, compiled_guards, guard_size, guard_value, size_condition_holds,
 )
 from graphamp.runtime_saved import MODEL, NODE_META, restore_node_meta
+from graphamp.shared_state import traced
 
 __all__ = [
     "AmpTracer",
@@ -165,7 +166,7 @@ def cached_cast(cache: WeightCache, param: torch.Tensor, dtype: torch.dtype) -> 
     tensor(...)
     >>> assert torch.equal(cached_cast(cache, w, torch.bfloat16), w.to(torch.bfloat16))
     """
-    if torch.compiler.is_compiling():
+    if traced():
         # Traced by dynamo (convert(compile=True)): the cast itself, which inductor's freezing
         # folds into a constant; the cache's version and pointer checks would break the graph.
         return torch.ops.aten._to_copy.default(param, dtype=dtype)

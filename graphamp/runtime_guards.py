@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from graphamp.errors import InputMismatchError, InputShapeError, InputValueError
+from graphamp.shared_state import traced
 
 __all__ = [
     "COMPILED_REFUSAL",
@@ -82,7 +83,7 @@ class InputGuard(nn.Module):
     def _condition_holds(self, i: int, source: str, sizes: tuple[str, ...], values: list[Any]) -> bool:
         fns = self.__dict__.get("_condition_fns") or ()
         fn = fns[i] if i < len(fns) else None
-        if fn is not None and torch.compiler.is_compiling():
+        if fn is not None and traced():
             return bool(fn(*values))
         return size_condition_holds(source, sizes, values)
 
@@ -291,7 +292,7 @@ def guard_value(read: str, values: Sequence[Any], expected: Any, where: str = ""
     Traceback (most recent call last):
     graphamp.errors.InputValueError: ...
     """
-    if _CompiledGuards.asserting and torch.compiler.is_compiling() and len(values) == 1:
+    if _CompiledGuards.asserting and traced() and len(values) == 1:
         condition = assert_condition(read, values[0], expected)
         if condition is not None:
             op, scalar = condition

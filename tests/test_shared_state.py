@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import graphamp
-from graphamp.shared_state import capture_lock, compile_scoped, in_capture, printed_output_held
+from graphamp.shared_state import capture_lock, compile_scoped, in_capture, printed_output_held, traced
 
 BF16 = torch.bfloat16
 JOIN_S = 600  # a conversion takes seconds here; a hang never ends
@@ -199,6 +199,37 @@ def test_threads_convert_reconvert_and_call_at_once():
     for model, out in zip(others, outs[3:]):
         assert torch.equal(out, _eager(model, x))
     assert len(amp.__dict__["_graphamp_variants"]) == 1  # batch 1 converted once, not per thread
+
+
+def test_a_call_while_another_thread_compiles_is_not_traced():
+    # torch.compiler.is_compiling() is one flag for the process, True for the whole of another
+    # thread's torch.compile (or torch.export). A converted module called for real meanwhile must
+    # not read it as "being traced": it would skip its parameter checks (here: a weight updated in
+    # place, which inference=True must recast) and its shape-class dispatch.
+    model = _sequential(3)
+    x = torch.randn(4, 8)
+    amp = graphamp.convert(model, (x,), inference=True)
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    compiling, release = threading.Event(), threading.Event()
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        compiling.set()  # the flag is True from here until this thread's compile ends
+        release.wait(JOIN_S)
+        return gm
+
+    def compile_elsewhere() -> torch.Tensor:
+        return torch.compile(lambda t: t + 1, backend=backend)(torch.ones(2))
+
+    def call() -> torch.Tensor:
+        try:
+            assert compiling.wait(JOIN_S) and torch.compiler.is_compiling()
+            return amp(x)
+        finally:
+            release.set()
+
+    _, got = run_threads(compile_elsewhere, call)
+    assert torch.equal(got, _eager(model, x, grad=False))
 
 
 def test_verify_export_and_trainstep_from_threads():
@@ -481,3 +512,19 @@ def test_the_widened_fake_kernel_is_seen_only_by_the_compiles_of_the_module_that
     with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
         want = model(x, offs)
     torch.testing.assert_close(out, want, atol=0.02, rtol=0.02)
+
+
+@pytest.mark.parametrize("trace", ["compile", "export"])
+def test_traced_is_true_where_this_thread_traces(trace):
+    seen: list[bool] = []
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(traced())
+            return x + 1
+
+    if trace == "compile":
+        torch.compile(Probe(), backend="eager")(torch.ones(2))
+    else:
+        torch.export.export(Probe(), (torch.ones(2),), strict=False)
+    assert seen == [True] and not traced()
