@@ -137,7 +137,14 @@ class AmpModule(GraphModule):
         names = self.__dict__.get(ALL_ONES_AS_NONE)
         if names:
             kwargs = self._all_ones_dropped(args, kwargs, names)
-        return self._for_mode(args, kwargs)._call_classes(args, kwargs)
+        try:
+            return self._for_mode(args, kwargs)._call_classes(args, kwargs)
+        except RuntimeError as e:  # where the model's tensors changed dtype, say so
+            state = self.__dict__.get(_MODEL_STATE)
+            refusal = state and state.retyped_refusal(self.__dict__.get(MODEL), e)
+            if refusal:
+                raise refusal from e
+            raise
 
     def _all_ones_dropped(self, args: tuple, kwargs: dict, names: tuple[str, ...]) -> dict:
         """``kwargs`` with its all-ones masks among ``names`` passed as None where eager autocast

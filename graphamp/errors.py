@@ -120,7 +120,8 @@ class SearchWarning(UserWarning):
 class ModelChangedError(GraphampError, RuntimeError):
     """The model a converted module shares its parameters with no longer holds them (its parameters
     were re-registered, or ``fully_shard`` sharded it after conversion): the graph would compute
-    with, and train, tensors the model and its optimizer no longer see."""
+    with, and train, tensors the model and its optimizer no longer see. Also raised where the graph
+    fails after the model's tensors changed dtype or device (``model.half()``)."""
 
 
 class ModelMethodError(GraphampError, AttributeError):

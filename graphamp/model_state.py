@@ -26,6 +26,8 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
+from graphamp.errors import GraphampError, ModelChangedError
+
 __all__ = ["ModelState", "Versions"]
 
 # Registrations of a parameter, buffer or submodule on any module of the process, counted while
@@ -84,6 +86,7 @@ class ModelState:
         # replaced on both sides alike. The others (a weight frozen to a low-precision copy) must
         # stay what they were.
         self.shared = {name for name, tensor in (reads or {}).items() if self.tensors.get(name) is tensor}
+        self.kinds = {name: (tensor.dtype, tensor.device) for name, tensor in self.tensors.items()}
         self.accept(model)
 
     def accept(self, model: nn.Module) -> None:
@@ -109,6 +112,33 @@ class ModelState:
             name for name, tensor in self.tensors.items()
             if now.get(name) is not (reads.get(name) if name in self.shared else tensor)
         ]
+
+    def retyped(self, model: nn.Module) -> list[str]:
+        """The names whose tensor in the model has another dtype or device than at conversion
+        (``model.half()``, ``model.to(...)``, an assigned ``.data``), which the graph's casts were not
+        chosen for.
+
+        >>> model = nn.Linear(2, 2)
+        >>> state = ModelState(model)
+        >>> assert state.retyped(model.half()) == ["weight", "bias"]
+        """
+        now: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        now.update(model.named_buffers(remove_duplicate=False))
+        return [name for name, kind in self.kinds.items() if name in now and (now[name].dtype, now[name].device) != kind]
+
+    def retyped_refusal(self, model: nn.Module | None, error: RuntimeError) -> ModelChangedError | None:
+        """The error to raise instead of ``error``, which the converted graph raised, where the
+        model's tensors changed dtype or device since conversion; else None."""
+        retyped = [] if model is None or isinstance(error, GraphampError) else self.retyped(model)
+        if not retyped:
+            return None
+        names = ", ".join(retyped[:3]) + (" ..." if len(retyped) > 3 else "")
+        return ModelChangedError(
+            f"{type(model).__name__}'s parameters or buffers changed dtype or device after graphamp converted it "
+            f"({len(retyped)} of {len(self.kinds)}: {names}; model.half() or model.to(...)), and the converted graph, "
+            f"whose casts were chosen for the old ones, failed: {error} Way out: change the model's dtype or device "
+            "before converting, or graphamp.convert it again."
+        )
 
 
 class Versions:

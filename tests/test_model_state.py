@@ -136,3 +136,27 @@ def test_a_loaded_inference_module_checks_against_its_loaded_model():
     loaded_model[2].weight = nn.Parameter(torch.randn(4, 8))
     with pytest.raises(graphamp.ModelChangedError, match=r"2\.weight"):
         loaded(x)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+@pytest.mark.parametrize("retype", ["half", "double"])
+def test_a_model_retyped_after_conversion_is_named_where_the_graph_fails(retype, inference):
+    # The graph's casts were chosen for fp32 tensors: after model.half() the LayerNorm (an fp32 op,
+    # where eager autocast casts its fp16 weight up) gets an fp16 weight and the graph fails.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.LayerNorm(4))
+    x = torch.randn(2, 4)
+    amp = graphamp.convert(model, (x,), inference=inference)
+    getattr(model, retype)()
+    with pytest.raises(graphamp.ModelChangedError, match=r"changed dtype or device .*6 of 6: 0\.weight.*Way out"):
+        amp(x)
+
+
+def test_a_model_retyped_to_the_low_dtype_still_matches_eager():
+    # To bf16 the graph's casts become no-ops and it still runs eager autocast's program.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.LayerNorm(4))
+    x = torch.randn(2, 4)
+    amp = graphamp.convert(model, (x,))
+    model.to(BF16)
+    assert torch.equal(amp(x), _eager(model, x))
