@@ -80,8 +80,7 @@ class ModelState:
     def __init__(self, model: nn.Module, reads: dict[str, torch.Tensor] | None = None) -> None:
         _watch()
         weakref.finalize(self, _unwatch)
-        self.tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-        self.tensors.update(model.named_buffers(remove_duplicate=False))
+        self.tensors = _held(model)
         # The names under which the converted module holds the model's own object: those may be
         # replaced on both sides alike. The others (a weight frozen to a low-precision copy) must
         # stay what they were.
@@ -105,9 +104,7 @@ class ModelState:
         """The names under which the model no longer holds what the converted module reads: for a
         name it shared at conversion, the object ``reads`` holds now (so a tensor replaced in both
         is fine, and in one only is not); for the others, the object held at conversion."""
-        reads = reads or {}
-        now: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-        now.update(model.named_buffers(remove_duplicate=False))
+        reads, now = reads or {}, _held(model)
         return [
             name for name, tensor in self.tensors.items()
             if now.get(name) is not (reads.get(name) if name in self.shared else tensor)
@@ -122,8 +119,7 @@ class ModelState:
         >>> state = ModelState(model)
         >>> assert state.retyped(model.half()) == ["weight", "bias"]
         """
-        now: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-        now.update(model.named_buffers(remove_duplicate=False))
+        now = _held(model)
         return [name for name, kind in self.kinds.items() if name in now and (now[name].dtype, now[name].device) != kind]
 
     def retyped_refusal(self, model: nn.Module | None, error: RuntimeError) -> ModelChangedError | None:
@@ -139,6 +135,13 @@ class ModelState:
             f"whose casts were chosen for the old ones, failed: {error} Way out: change the model's dtype or device "
             "before converting, or graphamp.convert it again."
         )
+
+
+def _held(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by name, as it holds them now."""
+    held = dict(model.named_parameters(remove_duplicate=False))
+    held.update(model.named_buffers(remove_duplicate=False))
+    return held
 
 
 class Versions:
