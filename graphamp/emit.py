@@ -37,7 +37,8 @@ from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
 from graphamp.model_state import ModelState
 from graphamp.model_binding import FROZEN, FROZEN_VERSIONS, graph_reads, in_model_order, recast_frozen, share_state, signed_forward, take_frozen_versions, training_as
 from graphamp.eager import difference_without, inputs_copied
-from graphamp.shared_state import in_capture, traced
+from graphamp.runtime_guards import traced
+from graphamp.shared_state import in_capture
 from graphamp.inputs import (  # is_all_ones too: graphamp.pipeline imports it from here
     ALL_ONES_AS_NONE, ALL_ONES_PROVEN, MAX_ALL_ONES_PROVEN, all_ones_key, describe_signature, input_guard, input_signature,
     CACHE_WAY_OUT, is_all_ones, key_value_cache, plain_arity,

@@ -46,10 +46,9 @@ from graphamp.runtime_autocast import (
     autocast_op, autocast_state, current_autocast_state, fill, qualified_name,
 )
 from graphamp.runtime_guards import (
-    COMPILED_REFUSAL, InputGuard, assert_condition, compiled_guards, guard_size, guard_value, size_condition_holds,
+    COMPILED_REFUSAL, InputGuard, assert_condition, compiled_guards, guard_size, guard_value, size_condition_holds, traced,
 )
 from graphamp.runtime_saved import MODEL, NODE_META, restore_node_meta
-from graphamp.shared_state import traced
 
 __all__ = [
     "AmpTracer",

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from graphamp.errors import InputMismatchError, InputShapeError, InputValueError
-from graphamp.shared_state import traced
 
 __all__ = [
     "COMPILED_REFUSAL",
@@ -36,7 +35,24 @@ __all__ = [
     "guard_size",
     "guard_value",
     "size_condition_holds",
+    "traced",
 ]
+
+
+def traced() -> bool:
+    """Whether the code calling this is being traced in this thread: by dynamo, or by torch.export
+    on fake tensors.
+
+    ``torch.compiler.is_compiling()`` alone answers for the whole process: while one thread compiles
+    or exports, a converted module called for real in another thread would read True and skip its
+    shape-class dispatch and parameter checks. Only that cheap flag is read when nothing compiles.
+
+    >>> assert not traced()
+    """
+    if not torch.compiler.is_compiling():
+        return False
+    # Under dynamo the first call is a constant True, and the fake-mode lookup is never traced.
+    return torch.compiler.is_dynamo_compiling() or torch._guards.detect_fake_mode() is not None
 
 
 class InputGuard(nn.Module):

@@ -8,15 +8,14 @@ torch state it needs are process-wide:
   stack in a Python global (``torch._ops._mode_stack_state_for_pre_dispatch``), so two threads
   tracing at once corrupt each other's trace ("Trying to pop empty mode stack");
 - inductor's config (``freezing``) and FakeTensorMode's kernel table are module globals;
-- ``sys.stdout`` and ``sys.stderr``;
-- ``torch.compiler.is_compiling()``, one flag that dynamo holds True for a whole compile and
-  torch.export for a whole export, which every other thread reads too.
+- ``sys.stdout`` and ``sys.stderr``.
 
 :func:`capture_lock` serializes graphamp's captures with each other and with dynamo's compiles (it
 is dynamo's own compile lock, re-entrant); :func:`compile_scoped` applies settings to the dynamo
 compiles the current thread starts, under that lock, and nowhere else; :func:`printed_output_held`
-holds what the current thread prints while other threads print as usual; :func:`traced` says whether
-the calling thread's code is being traced, where ``is_compiling()`` would answer for another thread.
+holds what the current thread prints while other threads print as usual. (Whether the calling
+thread is being traced, which ``torch.compiler.is_compiling()`` answers for the whole process, is
+:func:`graphamp.runtime_guards.traced`: the runtime asks it.)
 """
 
 from __future__ import annotations
@@ -27,9 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-
-__all__ = ["capture_lock", "compile_scoped", "in_capture", "printed_output_held", "traced"]
+__all__ = ["capture_lock", "compile_scoped", "in_capture", "printed_output_held"]
 
 _local = threading.local()
 
@@ -71,23 +68,6 @@ def capture_lock() -> Iterator[None]:
 def in_capture() -> bool:
     """Whether this thread is inside :func:`capture_lock`."""
     return getattr(_local, "capture_depth", 0) > 0
-
-
-def traced() -> bool:
-    """Whether the code calling this is being traced in this thread: by dynamo, or by torch.export
-    on fake tensors.
-
-    ``torch.compiler.is_compiling()`` alone answers for the whole process: while one thread compiles
-    or exports, a converted module called for real in another thread would read True and skip its
-    shape-class dispatch and parameter checks. Only that cheap flag is read when nothing compiles.
-
-    >>> assert not traced()
-    """
-    if not torch.compiler.is_compiling():
-        return False
-    # Under dynamo the first call is a constant True, and the fake-mode lookup is never traced.
-    return torch.compiler.is_dynamo_compiling() or torch._guards.detect_fake_mode() is not None
-
 
 
 _REGISTER_LOCK = threading.Lock()

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import graphamp
-from graphamp.shared_state import capture_lock, compile_scoped, in_capture, printed_output_held, traced
+from graphamp.runtime_guards import traced
+from graphamp.shared_state import capture_lock, compile_scoped, in_capture, printed_output_held
 
 BF16 = torch.bfloat16
 JOIN_S = 600  # a conversion takes seconds here; a hang never ends
