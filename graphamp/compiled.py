@@ -235,9 +235,9 @@ class CompiledAmpModule(nn.Module):
         restore = (peek_graph_info(self.amp) or GraphInfo()).restore_on_refusal
         # The structure and flattening the converted module's forward does, here in Python: dynamo
         # traces the graph alone, so its guards are the graph's.
-        self.amp._check_parameters()  # a parameter replaced on the model: ModelChangedError, as uncompiled
+        followed = self.amp._check_parameters()  # a parameter replaced on the model: ModelChangedError, as uncompiled
         folded = self.__dict__.get("_folded")
-        if folded is not None and folded.moved():
+        if (followed and self.__dict__["_freezing"]) or (folded is not None and folded.moved()):  # freezing folded the old
             self._compile_again_for_new_weights()
         flat_in, out_spec = flat_io(self.amp)
         if self.amp.plain_call(args, kwargs):

@@ -27,7 +27,7 @@ from torch.fx import GraphModule
 from torch.fx.graph_module import _forward_from_src
 
 from graphamp.conversion_info import AmpInfo, SelfCheck
-from graphamp.errors import InputMismatchError, InputShapeError, InputStructureError, InputValueError, PolicyDriftError, ModelChangedError, ModelMethodError
+from graphamp.errors import InputMismatchError, InputShapeError, InputStructureError, InputValueError, PolicyDriftError, ModelMethodError
 from graphamp.spec import AmpSpec, autocast_off
 from graphamp.passes.cache_weights import WEIGHT_CACHE
 from graphamp.passes.graph_edit import attr_of, cast_source, tensor_dtype
@@ -35,7 +35,7 @@ from graphamp.node_info import GRAPHAMP, GraphInfo, NodeInfo, peek, peek_graph_i
 from graphamp.policy import short_dtype
 from graphamp.codegen import bindings_of, eager_body, hoist_state_reads
 from graphamp.model_state import ModelState
-from graphamp.model_binding import FROZEN, FROZEN_VERSIONS, graph_reads, in_model_order, recast_frozen, share_state, signed_forward, take_frozen_versions, training_as
+from graphamp.model_binding import FROZEN, FROZEN_VERSIONS, follow_replaced_buffers, graph_reads, in_model_order, recast_frozen, share_state, signed_forward, take_frozen_versions, training_as
 from graphamp.eager import difference_without, inputs_copied
 from graphamp.runtime_guards import traced
 from graphamp.shared_state import in_capture
@@ -258,48 +258,38 @@ class AmpModule(GraphModule):
             engine = self.__dict__[ENGINE] = getattr(importlib.import_module(_ENGINE_MODULE), _ENGINE_NAME)
         return engine
 
-    def _check_parameters(self) -> None:
+    def _check_parameters(self) -> bool:
         """Refuse to run where the model no longer holds a parameter or buffer the graph reads
         (replaced by assignment, ``load_state_dict(assign=True)``, a swapped submodule, or FSDP's
         ``fully_shard`` after conversion): the graph would compute with, and train, tensors nobody
         optimizes. Cheap per call (:class:`graphamp.model_state.ModelState`); ``check_model()``
-        compares every tensor."""
+        compares every tensor. Returns whether it followed a buffer the model replaced."""
         state = self.__dict__.get(_MODEL_STATE)
-        if state is not None and not state.unchanged():
-            self.check_model()
+        followed = state is not None and not state.unchanged() and self.check_model()
         frozen = self.__dict__.get(FROZEN_VERSIONS)
         if frozen is not None and frozen.moved():  # a weight inference=True cast once was updated
             self.refresh()
+        return followed
 
-    def check_model(self) -> None:
+    def check_model(self) -> bool:
         """Raise :class:`graphamp.ModelChangedError` if the model does not hold, under each name it
         held a parameter or buffer at conversion, the object this module's graph reads (compared by
-        identity): one of them was replaced on one side only."""
+        identity): one of them was replaced on one side only. A buffer the model replaced by one of
+        the same shape, dtype and device (code that assigns ``self.buf = ...`` in forward) is read
+        from the model from then on, as eager reads it: returns whether one was."""
         model, state = self.__dict__.get(MODEL), self.__dict__.get(_MODEL_STATE)
         if model is None or state is None:
-            return
+            return False
         replaced = state.replaced(model, graph_reads(self))
-        theirs = [p for _, p in model.named_parameters(remove_duplicate=False)]
-        sharded = type(model).__name__.startswith("FSDP") or any(
-            type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor" for p in theirs
-        )
-        if not replaced and not sharded:
-            state.accept(model)  # e.g. a class swapped by a wrapper, or a new submodule: fine
-            return
-        names = ", ".join(replaced[:3]) + (" ..." if len(replaced) > 3 else "")
-        if sharded:
-            raise ModelChangedError(
-                f"{type(model).__name__} was sharded (FSDP fully_shard) after graphamp converted it: the converted "
-                f"graph reads the parameters from before sharding ({names}), so it would train nothing and reduce "
-                "no gradient. Way out: shard first, then convert (graphamp.TrainStep / graphamp.convert on the "
-                "sharded model), or torch.compile(model, backend=\"graphamp\")."
-            )
-        raise ModelChangedError(
-            f"{type(model).__name__}'s parameters or buffers were replaced after graphamp converted it ({len(replaced)} "
-            f"of {len(state.tensors)}: {names}): the converted graph reads the old tensors, which the model and its "
-            "optimizer no longer see. Way out: update them in place (load_state_dict without assign=True, optimizer "
-            "steps, param.data.copy_), or graphamp.convert the model again."
-        )
+        followed = replaced and follow_replaced_buffers(self._all_converted(), model, [n for n in replaced if n in state.shared])
+        if followed:
+            self.refresh()  # no cast kept of the old tensors
+            replaced = state.replaced(model, graph_reads(self))
+        refusal = state.refusal(model, replaced)
+        if refusal is not None:
+            raise refusal
+        state.accept(model)  # e.g. a class swapped by a wrapper, or a new submodule: fine
+        return bool(followed)
 
     def _call_graph(self, args: tuple, kwargs: dict) -> Any:
         info = self.__dict__.get("_graphamp")
@@ -424,12 +414,16 @@ class AmpModule(GraphModule):
         """Recompute the low-precision weight copies from the model's parameters. Updates through a
         parameter itself (``optimizer.step()``, ``load_state_dict``, in-place ops) are seen at the
         next call, frozen weights included; call this after changing one through ``.data``."""
-        cache = getattr(self, WEIGHT_CACHE, None)
-        if cache is not None:
-            cache.clear()
-        for variant in [*self.__dict__.get(_VARIANTS, ()), *self.__dict__.get(_MODES, {}).values()]:
-            variant.refresh()
-        recast_frozen(self)
+        for amp in self._all_converted():
+            cache = getattr(amp, WEIGHT_CACHE, None)
+            if cache is not None:
+                cache.clear()
+            recast_frozen(amp)
+
+    def _all_converted(self) -> list[AmpModule]:
+        """This module and those it converted for other inputs and modes (theirs included)."""
+        others = [*self.__dict__.get(_VARIANTS, ()), *self.__dict__.get(_MODES, {}).values()]
+        return [self, *(amp for other in others for amp in other._all_converted())]
 
     def train(self, mode: bool = True) -> AmpModule:
         """Set the training mode, as ``nn.Module.train``: the next call runs the graph converted in

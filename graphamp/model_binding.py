@@ -16,7 +16,7 @@ from torch import nn
 
 from graphamp.model_state import Versions
 
-__all__ = ["FROZEN", "FROZEN_VERSIONS", "graph_reads", "in_model_order", "recast_frozen", "share_state", "signed_forward", "take_frozen_versions", "training_as"]
+__all__ = ["FROZEN", "FROZEN_VERSIONS", "follow_replaced_buffers", "graph_reads", "in_model_order", "recast_frozen", "share_state", "signed_forward", "take_frozen_versions", "training_as"]
 
 
 def share_state(amp: nn.Module, model: nn.Module) -> None:
@@ -116,6 +116,45 @@ def graph_reads(amp: nn.Module) -> dict[str, torch.Tensor]:
     reads = dict(amp.named_parameters(remove_duplicate=False))
     reads.update(amp.named_buffers(remove_duplicate=False))
     return reads
+
+
+def follow_replaced_buffers(modules: list[nn.Module], model: nn.Module, names: list[str]) -> list[str]:
+    """Of ``names``, the buffers the model now holds as another tensor of the same shape, strides,
+    dtype and device (a forward that assigns ``self.buf = ...``, as I-BERT's activation ranges do):
+    bound in each of ``modules`` (a converted module first, then those it converted for other
+    inputs) that held the first one's old tensor, so that the graphs read them as eager's next call
+    does. Returns the names it bound.
+
+    >>> model, amp = nn.BatchNorm1d(2), nn.Module()
+    >>> share_state(amp, model)
+    >>> model.running_mean = torch.ones(2)
+    >>> assert follow_replaced_buffers([amp], model, ["running_mean"]) == ["running_mean"]
+    >>> assert amp.running_mean is model.running_mean
+    """
+    held, bound = dict(model.named_buffers(remove_duplicate=False)), []
+    for name in names:
+        prefix, _, leaf = name.rpartition(".")
+        first = _submodule(modules[0], prefix)
+        new, old = held.get(name), first._buffers.get(leaf) if first is not None else None
+        if new is None or old is None or new is old or _kind(new) != _kind(old):
+            continue
+        for module in modules:
+            owner = _submodule(module, prefix)
+            if owner is not None and owner._buffers.get(leaf) is old:
+                owner._buffers[leaf] = new
+        bound.append(name)
+    return bound
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _kind(t: torch.Tensor) -> tuple:
+    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.layout, t.requires_grad)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ weights frozen to low precision, was cast from them). A tensor replaced in the m
 (``model.fc.weight = nn.Parameter(...)``, ``load_state_dict(..., assign=True)``, a submodule
 swapped, FSDP's ``fully_shard`` applied to inner modules) is one the graph never reads: it would
 compute with, and train, tensors the user no longer holds. :class:`ModelState` notices each of
-these at the next call.
+these at the next call (and the converted module follows a buffer replaced by one of the same kind:
+``graphamp.model_binding.follow_replaced_buffers``).
 
 Per call it compares the model's module classes (a list compare) and a process-wide count of
 parameter, buffer and submodule registrations, kept by torch's global registration hooks while a
@@ -109,6 +110,30 @@ class ModelState:
             name for name, tensor in self.tensors.items()
             if now.get(name) is not (reads.get(name) if name in self.shared else tensor)
         ]
+
+    def refusal(self, model: nn.Module, replaced: list[str]) -> ModelChangedError | None:
+        """The error to raise where the model no longer holds the ``replaced`` tensors, or was
+        sharded by FSDP after conversion; else None."""
+        theirs = [p for _, p in model.named_parameters(remove_duplicate=False)]
+        sharded = type(model).__name__.startswith("FSDP") or any(
+            type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor" for p in theirs
+        )
+        names = ", ".join(replaced[:3]) + (" ..." if len(replaced) > 3 else "")
+        if sharded:
+            return ModelChangedError(
+                f"{type(model).__name__} was sharded (FSDP fully_shard) after graphamp converted it: the converted "
+                f"graph reads the parameters from before sharding ({names}), so it would train nothing and reduce "
+                "no gradient. Way out: shard first, then convert (graphamp.TrainStep / graphamp.convert on the "
+                "sharded model), or torch.compile(model, backend=\"graphamp\")."
+            )
+        if not replaced:
+            return None
+        return ModelChangedError(
+            f"{type(model).__name__}'s parameters or buffers were replaced after graphamp converted it ({len(replaced)} "
+            f"of {len(self.tensors)}: {names}): the converted graph reads the old tensors, which the model and its "
+            "optimizer no longer see. Way out: update them in place (load_state_dict without assign=True, optimizer "
+            "steps, param.data.copy_), or graphamp.convert the model again."
+        )
 
     def retyped(self, model: nn.Module) -> list[str]:
         """The names whose tensor in the model has another dtype or device than at conversion

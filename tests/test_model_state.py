@@ -33,7 +33,7 @@ def _assign_state_dict(model: nn.Module) -> None:
 
 
 def _replace_buffer(model: nn.Module) -> None:
-    model[3].running_mean = torch.ones(4)
+    model[3].running_mean = torch.ones(4, dtype=torch.float64)  # of another dtype (one of the same is followed)
 
 
 def _swap_submodule(model: nn.Module) -> None:
@@ -105,6 +105,50 @@ def test_a_graphamp_run_of_code_that_assigns_a_buffer_leaves_the_model_as_it_was
     amp = graphamp.convert(model, (x,))
     assert model.seen is buffer
     assert torch.equal(amp(x), _eager(model, x))
+
+
+class _AssignsInTraining(nn.Module):
+    """Keeps a running minimum by assigning a new buffer in training forward, as I-BERT's QuantAct does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("low", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.training:
+            self.low = torch.minimum(self.low, y.detach().float().amin(0))
+        return y + self.low
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"inference": True}, {"compile": True, "inference": True}], ids=["graph", "inference", "compiled, frozen"],
+)
+def test_a_buffer_the_model_replaces_with_one_of_its_kind_is_followed(options):
+    # Eager training calls of the model leave a new buffer in it; the converted eval module, and
+    # the one it converted for another batch size, read it from then on, as eager does.
+    torch.manual_seed(0)
+    model, x, x5 = _AssignsInTraining().eval(), torch.randn(2, 4), torch.randn(5, 4)
+    amp = graphamp.convert(model, (x,), **options)
+    assert torch.equal(amp(x), _eager(model, x)) and torch.equal(amp(x5), _eager(model, x5))
+    for scale in (1.0, 5.0):
+        model.train()
+        _eager(model, scale * torch.randn(3, 4))
+        model.eval()
+        assert torch.equal(amp(x), _eager(model, x)) and torch.equal(amp(x5), _eager(model, x5))
+    assert model.low.min() < 0  # the values moved, so an old buffer would have differed
+
+
+def test_a_buffer_a_converted_training_module_writes_stays_the_models():
+    torch.manual_seed(0)
+    model, x = _AssignsInTraining().train(), torch.randn(2, 4)
+    reference = copy.deepcopy(model)
+    amp = graphamp.convert(model, (x,))
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        assert torch.equal(amp(x), _eager(reference, x))
+        assert torch.equal(model.low, reference.low) and amp.low is model.low
 
 
 def test_model_state_is_cheap_when_nothing_changed():
