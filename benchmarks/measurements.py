@@ -279,6 +279,17 @@ CITED = (
           ".venv/bin/python benchmarks/census.py --only '^hf/(superpoint|udop|t5gemma2)$' --checks "
           "inputs,batch,backend,backend_autocast --jobs 1 --timeout 1500 --out "
           "benchmarks/results/census-2fee1b4-recheck.jsonl"),
+    Cited("census-285ae40-recheck.jsonl", "The census's last four silent findings, checked again at a later commit",
+          "285ae40",
+          "The four models whose backend check failed silently in the census's last shard (dynamo's own errors, or "
+          "an untyped RNN dtype error), run again at a later graphamp commit on **another machine** (an AMD EPYC "
+          "with avx512_bf16, against eager autocast on that machine): other inputs after conversion, batch, and the "
+          "backend outside and inside `torch.autocast`. Outside it, the three whose code dynamo runs eagerly are now "
+          "refused by a typed `GraphBreakError` naming that code; VITS's `convert` is refused by a typed "
+          "`PolicyDriftError`, so its checks of the converted module are skipped.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/(video_llama_3_vision|vits|wavtokenizer|"
+          "wavtokenizer_encoder)$' --checks inputs,batch,backend,backend_autocast --jobs 1 --timeout 1500 --out "
+          "benchmarks/results/census-285ae40-recheck.jsonl"),
 )
 
 # The speed summary, bf16: one table per CPU class measured, each from its own files, all of them in
