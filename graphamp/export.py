@@ -27,7 +27,8 @@ from graphamp.capture.stacks import source_lines_read_lazily
 from graphamp.config import Config
 from graphamp.convert import check_inputs
 from graphamp.pipeline import rewrite
-from graphamp.errors import ExportError, GraphampError, PolicyDriftWarning
+from graphamp.backend.fallback import needs_graph_breaks
+from graphamp.errors import CaptureError, ExportError, GraphampError, PolicyDriftWarning
 from graphamp.passes.export_guards import guards_as_asserts
 from graphamp.node_info import peek_graph_info
 from graphamp.policy import LOW_DTYPES
@@ -71,7 +72,8 @@ def export(
         keep_io_types: an fp32 interface: floating inputs given in bf16/fp16 are taken in fp32 and
             cast inside, and bf16/fp16 floating outputs are returned in fp32.
         dynamic: every input dim may vary where the model allows (``Dim.AUTO``); False fixes
-            every size to the example's.
+            every size to the example's. Code torch.export cannot trace (a branch on a tensor's
+            value) is captured on the example's values, as convert does, with fixed sizes.
         self_check: with autocast's own policy, the program and the model under eager autocast
             run the example once more without grad, and every output value and dtype must be
             bitwise equal (:func:`verify_export`). Where they differ, the model is captured on the
@@ -81,7 +83,7 @@ def export(
             first program, "off" skips it.
 
     Raises:
-        graphamp.CaptureError: the model cannot be captured as one graph (data-dependent control flow).
+        graphamp.CaptureError: the model cannot be captured as one graph, by torch.export or on values.
         graphamp.ExportError: the graph would need graphamp at run time, or the program differs
             from eager autocast on the example (``self_check``). A custom ``autograd.Function``
             is traced through: its forward, as eager autocast runs it (no backward is exported).
@@ -104,21 +106,30 @@ def export(
         model, (args, kwargs), dtype=dtype, device_type=device_type, inference=True, config=config,
         keep_io_types=keep_io_types, target="export",
     )
-    ep = _export(model, args, kwargs, spec, dynamic)
+    try:
+        ep = _export(model, args, kwargs, spec, dynamic)
+    except CaptureError as refused:  # data-dependent code torch.export cannot trace: as convert, on the example's values
+        if not needs_graph_breaks(refused):
+            raise
+        spec = dataclasses.replace(spec, capture="values")
+        ep = _export(model, args, kwargs, spec, dynamic=False)
     if on_drift == "off" or not spec.check or not holds_values(model, args, kwargs):
         return ep
     problem = verify_export(ep, model, args, kwargs, dtype=spec.dtype, device_type=spec.device_type, keep_io_types=keep_io_types)
     if not problem:
         return ep
-    # Where eager's program depends on values the example holds (a mask eager drops by value), the
-    # capture on values follows eager's program and turns what it read into assertions.
-    try:
-        by_values = _export(model, args, kwargs, dataclasses.replace(spec, capture="values"), dynamic=False)
-        again = verify_export(by_values, model, args, kwargs, dtype=spec.dtype, device_type=spec.device_type, keep_io_types=keep_io_types)
-    except GraphampError as e:
-        again = f"the capture on values failed too ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-    if not again:
-        return by_values
+    if spec.capture == "values":
+        again = "it was captured on them already (torch.export cannot trace its code)"
+    else:
+        # Where eager's program depends on values the example holds (a mask eager drops by value),
+        # the capture on values follows eager's program and turns what it read into assertions.
+        try:
+            by_values = _export(model, args, kwargs, dataclasses.replace(spec, capture="values"), dynamic=False)
+            again = verify_export(by_values, model, args, kwargs, dtype=spec.dtype, device_type=spec.device_type, keep_io_types=keep_io_types)
+        except GraphampError as e:
+            again = f"the capture on values failed too ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        if not again:
+            return by_values
     message = (
         f"graphamp.export's self-check: the exported program of {type(model).__name__} differs from eager "
         f"torch.autocast({spec.device_type}, {spec.dtype}) on the example: {problem}; captured on the example's "

@@ -217,18 +217,46 @@ def test_keep_io_types_must_be_bool(bad):
 
 
 class _Branchy(nn.Module):
+    """Data-dependent control flow on a value no ATen assertion can check (int() truncates a float)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.lin(x)
-        return y * 2 if y.sum() > 0 else y  # data-dependent control flow
+        return y * 2 if int(y.sum()) > 0 else y
 
 
-def test_data_dependent_control_flow_is_a_capture_error():
-    with pytest.raises(graphamp.CaptureError, match="data-dependent.*Way out"):
+def test_data_dependent_control_flow_no_assertion_checks_is_an_export_error():
+    with pytest.raises(graphamp.ExportError, match="reads tensor values.*no ATen assertion.*Way out"):
         graphamp.export(_Branchy(), (torch.randn(2, 4),))
+
+
+class _SelectsRows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        rows = x[mask]  # a size that depends on values
+        if rows.shape[0] > 1:  # and a branch on it: torch.export refuses the model
+            rows = self.lin(rows)
+        return rows.sum(0)
+
+
+def test_data_dependent_code_is_exported_from_the_capture_on_values_with_its_conditions_asserted():
+    # As convert does, export captures such a model on the example's values; the sizes and values
+    # its code read become assertions in the program (before: CaptureError).
+    torch.manual_seed(0)
+    model, x = _SelectsRows().eval(), torch.randn(6, 4)
+    mask = torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool)
+    program = graphamp.export(model, (x, mask))
+    same_count = torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.bool)
+    for m in (mask, same_count):
+        assert graphamp.verify_export(program, model, (torch.randn(6, 4), m)) == ""
+    with pytest.raises(RuntimeError, match="assertion"):  # another count of rows: refused, never run
+        program.module()(x, torch.ones(6, dtype=torch.bool))
 
 
 class _Ste(torch.autograd.Function):
@@ -339,7 +367,7 @@ def test_cli_reports_a_model_it_cannot_export(tmp_path, capsys):
 
     assert main(["export", "--model", "test_export:branchy", "--out", str(tmp_path / "x.pt2")]) == 1
     captured = capsys.readouterr()
-    assert "CaptureError" in captured.err and "Way out" in captured.err and captured.out == ""
+    assert "ExportError" in captured.err and "Way out" in captured.err and captured.out == ""
     assert not (tmp_path / "x.pt2").exists()
 
 

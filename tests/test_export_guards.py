@@ -53,3 +53,35 @@ def test_an_int_read_of_an_integer_tensor_is_asserted():
     gm(torch.ones(3, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="graphamp.export"):
         gm(torch.zeros(3, dtype=torch.int64))
+
+
+def _guarded_raw(read: str, values: list, expected: object) -> GraphModule:
+    """x (int64, 2x3) -> guard_value(read, values(x), expected) -> returns x * 2."""
+    g = Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(2, 3, dtype=torch.int64)
+    s = g.call_function(torch.ops.aten.sum.default, (x,))
+    s.meta["val"] = torch.empty((), dtype=torch.int64)
+    g.call_function(guard_value, (read, values(x, s), expected, "model.py:9"))
+    g.output(g.call_function(torch.ops.aten.mul.Tensor, (x, 2)))
+    return GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize(("read", "values", "expected"), [
+    ("tolist", lambda x, s: [x], [[1, 2, 3], [4, 5, 6]]),  # vision towers' grid_thw.tolist()
+    ("op", lambda x, s: [torch.ops.aten.item.default, s], 21),  # an ATen composite's own item()
+])
+def test_an_integer_list_read_and_an_ops_own_item_are_asserted(read, values, expected):
+    gm = _guarded_raw(read, values, expected)
+    assert guards_as_asserts(gm) == []
+    example = torch.arange(1, 7).reshape(2, 3)
+    assert torch.equal(gm(example), example * 2)
+    other = example.clone()
+    other[1, 2] = 7
+    with pytest.raises(RuntimeError, match=r"graphamp.export: .*model.py:9"):
+        gm(other)
+    # and torch.export keeps the assertion (its constant a lifted one)
+    program = torch.export.export(gm, (example,), strict=False)
+    assert torch.equal(program.module()(example), example * 2)
+    with pytest.raises(RuntimeError, match="graphamp.export"):
+        program.module()(other)

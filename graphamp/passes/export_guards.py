@@ -10,24 +10,58 @@ down the example's path.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx import GraphModule, Node
 
-from graphamp.runtime import assert_condition, guard_value
+from graphamp.runtime import assert_condition, guard_size, guard_value
 
 __all__ = ["guards_as_asserts"]
 
 _ASSERT = torch.ops.aten._assert_async.msg
 
 
-def _condition(graph: torch.fx.Graph, read: str, value: Node, expected: object) -> Node | None:
-    """A bool-tensor node true where reading ``value`` as ``read`` gives ``expected``; None where
-    no ATen comparison says it exactly (``runtime.assert_condition``)."""
-    condition = assert_condition(read, value.meta.get("val"), expected)
+# An ATen op's own read of a one-element tensor (``aten.item`` inside a composite's decomposition).
+_ITEM_OPS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+
+
+def _condition(gm: GraphModule, read: str, values: list, expected: object) -> Node | None:
+    """A bool-tensor node true where reading ``values`` as ``read`` gives ``expected``; None where
+    no ATen comparison says it exactly (``runtime.assert_condition``, and a ``tolist`` of integers
+    or bools compared with a constant of the example's values)."""
+    if read == "op" and len(values) == 2 and values[0] in _ITEM_OPS:
+        read, values = "item", values[1:]
+    if len(values) != 1 or not isinstance(values[0], Node):
+        return None
+    value, fake = values[0], values[0].meta.get("val")
+    if read in ("tolist", "numpy") and isinstance(fake, torch.Tensor) and isinstance(expected, list):
+        return _equal_to_constant(gm, value, fake, expected)
+    condition = assert_condition(read, fake, expected)
     if condition is None:
         return None
     op, scalar = condition
-    return graph.call_function(op, (value, scalar))
+    return gm.graph.call_function(op, (value, scalar))
+
+
+def _equal_to_constant(gm: GraphModule, value: Node, fake: torch.Tensor, expected: list) -> Node | None:
+    """``(value == constant).all()``, the constant holding ``expected`` at ``value``'s shape and
+    dtype; None unless both are integer or bool (a float list would compare -0.0 and NaN otherwise
+    than Python does)."""
+    if fake.is_floating_point() or fake.is_complex():
+        return None
+    try:
+        constant = torch.tensor(expected, dtype=fake.dtype)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if tuple(constant.shape) != tuple(fake.shape) or constant.tolist() != expected:
+        return None
+    name = f"_graphamp_expected_{len([n for n in gm.graph.nodes if n.op == 'get_attr'])}"
+    while hasattr(gm, name):
+        name += "_"
+    gm.register_buffer(name, constant.to(fake.device), persistent=False)
+    equal = gm.graph.call_function(torch.ops.aten.eq.Tensor, (value, gm.graph.get_attr(name)))
+    return gm.graph.call_function(torch.ops.aten.all.default, (equal,))
 
 
 def guards_as_asserts(gm: GraphModule) -> list[str]:
@@ -38,7 +72,7 @@ def guards_as_asserts(gm: GraphModule) -> list[str]:
         read, values, expected = node.args[:3]
         where = node.args[3] if len(node.args) > 3 else node.kwargs.get("where", "")
         with gm.graph.inserting_before(node):
-            cond = _condition(gm.graph, read, values[0], expected) if len(values) == 1 else None
+            cond = _condition(gm, read, list(values), expected)
             if cond is not None:
                 gm.graph.call_function(_ASSERT, (cond, (
                     f"graphamp.export: the model's code reads a tensor value ({read}{f' at {where}' if where else ''}) "
@@ -51,6 +85,13 @@ def guards_as_asserts(gm: GraphModule) -> list[str]:
         inputs = node.all_input_nodes
         gm.graph.erase_node(node)
         _erase_unused(gm.graph, inputs)
+    for node in list(gm.graph.find_nodes(op="call_function", target=guard_size)):
+        value, size = node.args[:2]
+        with gm.graph.inserting_before(node):
+            for dim, expected in enumerate(size):
+                read = gm.graph.call_function(torch.ops.aten.sym_size.int, (value, dim))
+                gm.graph.call_function(torch._check, (gm.graph.call_function(operator.eq, (read, expected)),))
+        gm.graph.erase_node(node)
     gm.recompile()
     return unexpressed
 
