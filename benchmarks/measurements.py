@@ -113,6 +113,17 @@ CITED = (
           "alternative to beat. `graphamp_autotune` and `graphamp_autotune_compiled` on `nn.TransformerEncoder` "
           "failed at this run's commit (a fused layer raised after one kept in fp16 got an fp16 input); fixed in "
           "graphamp commit `38344fc`."),
+    Cited("bench-2026-12-02-avx512bf16-infer-bf16.json", "Speed: inference, bf16 on an AMD EPYC with avx512_bf16",
+          "f8ceb8a",
+          "Eval under `no_grad` on the four bench models, every variant of the task, on an AMD EPYC with "
+          "avx512_bf16 (bf16 native, fp16 emulated), with the cores to itself: `torch.compile` in fp32, with "
+          "autocast and in pure bf16 (each with and without freezing, each also tried with inductor's C++ "
+          "wrapper) beside graphamp's exact, autotune, budget and backend variants."),
+    Cited("bench-2026-12-02-avx512bf16-train-bf16.json", "Speed: training step, bf16 on an AMD EPYC with avx512_bf16",
+          "f8ceb8a",
+          "Forward, backward and AdamW step on the four bench models, every variant of the task, on the same AMD "
+          "EPYC (avx512_bf16), with the cores to itself: `torch.compile` in fp32 and with autocast beside "
+          "graphamp's exact, autotune, budget, backend and TrainStep variants."),
     Cited("bench-2026-11-28p-infer-bf16.json", "Speed: inference, bf16", "30d25d4",
           "Eval under `no_grad` on the four bench models; graphamp's compiled autotune variant also "
           "tries inductor's C++ wrapper."),
@@ -296,11 +307,11 @@ CITED = (
 # docs/measurements.md's SPEED_BY_CLASS section, in this order.
 SPEED_FILES = {
     "xeon-amx": ("bench-2026-12-01b-amx-infer-bf16.json", "bench-2026-12-01-amx-train-bf16.json"),
-    "epyc-avx512-bf16": ("bench-2026-11-28p-infer-bf16.json", "bench-2026-11-28j-train-bf16.json"),
+    "epyc-avx512-bf16": ("bench-2026-12-02-avx512bf16-infer-bf16.json", "bench-2026-12-02-avx512bf16-train-bf16.json"),
     "epyc-avx2": ("bench-2026-11-29-avx2-infer-bf16.json", "bench-2026-12-01c-avx2-infer-bf16-gpt2-encoder.json",
                   "bench-2026-11-29-avx2-train-bf16.json", "bench-2026-11-29c-avx2-train-bf16-gpt2-bert.json"),
 }
-# README's one table: the most recent class, bf16 native, measured against every alternative (the other native one lacks compiled fp32).
+# README's one table: a class with bf16 native, measured against every alternative (the others are linked from it).
 README_CLASS = "xeon-amx"
 SPEED_BY_CLASS = "Speed by CPU class"
 
