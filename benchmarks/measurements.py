@@ -301,6 +301,27 @@ CITED = (
           ".venv/bin/python benchmarks/census.py --only '^hf/(video_llama_3_vision|vits|wavtokenizer|"
           "wavtokenizer_encoder)$' --checks inputs,batch,backend,backend_autocast --jobs 1 --timeout 1500 --out "
           "benchmarks/results/census-285ae40-recheck.jsonl"),
+    Cited("census-8538b65-export-recheck.jsonl", "graphamp.export on the models it could not export, at a later commit",
+          "8538b65",
+          "The 41 models whose `export` check was an error in the census above (most because torch.export could not trace "
+          "their data-dependent code), run again after `graphamp.export` learned to capture such code on the "
+          "example's values, as `convert` does, on **another machine** (an AMD EPYC with avx512_bf16, against eager "
+          "autocast on that machine): the program on the example and on other values at its shapes. Four programs "
+          "(FastSpeech2-Conformer, LongCat-Flash, OpenAI privacy filter, Switch Transformers) are bitwise on the "
+          "example and refuse the other values with a runtime assertion: graphamp's own message naming the read for "
+          "the first two, torch's size assertion (`u0 >= 3`) for the MoE two. A program cannot raise graphamp's "
+          "types, so the census counts those refusals as unreported errors.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/("
+          "fastspeech2_conformer|fsmt|cohere_compass_vision|cosmos3_edge_vision|encodec|exaone4_5_vis"
+          "ion|glm4v_moe_vision|glm4v_vision|glm5_next_vision|glm_image_vision|glm_ocr_vision|hunyuan"
+          "_vl_vision|hy_v4_vl_vision|inkling2_vision|kimi_k25_vision|led|longcat_flash|longformer|mi"
+          "mi_encoder|mimi|muse_glimmer_vision|muse_spark_vision|musicgen|musicgen_melody|openai_priv"
+          "acy_filter|pocket_tts_audio_tokenizer_encoder|pocket_tts_audio_tokenizer|qwen2_5_vl_vision"
+          "|qwen3_5_moe_vision|qwen3_5_vision|qwen3_vl_moe_vision|qwen3_vl_vision|qwen4_exp_vision|sw"
+          "itch_transformers|t5gemma2|udop|unlimited_ocr|video_llama_3_vision|vilt|wavtokenizer_encod"
+          "er|wavtokenizer"
+          ")$' --checks export --jobs 1 "
+          "--timeout 1500 --out benchmarks/results/census-8538b65-export-recheck.jsonl"),
 )
 
 # The speed summary, bf16: one table per CPU class measured, each from its own files, all of them in
