@@ -322,6 +322,15 @@ CITED = (
           "er|wavtokenizer"
           ")$' --checks export --jobs 1 "
           "--timeout 1500 --out benchmarks/results/census-8538b65-export-recheck.jsonl"),
+    Cited("census-412a27f-recheck.jsonl", "I-BERT, after the converted module learned to follow replaced buffers",
+          "412a27f",
+          "transformers' I-BERT, whose batch and inputs checks raised `ModelChangedError` in the census above: its "
+          "quantization modules assign new range buffers in each eager training forward (the gradients check's "
+          "eager runs), which the converted module now follows. Run again on **another machine** (an AMD EPYC with "
+          "avx512_bf16, against eager autocast on that machine), with the checks in the census's order.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/ibert$' --checks "
+          "convert_bf16,grads_bf16,batch,inputs,dropout,backend,backend_autocast --jobs 1 --timeout 900 --out "
+          "benchmarks/results/census-412a27f-recheck.jsonl"),
 )
 
 # The speed summary, bf16: one table per CPU class measured, each from its own files, all of them in
