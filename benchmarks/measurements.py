@@ -331,6 +331,14 @@ CITED = (
           ".venv/bin/python benchmarks/census.py --only '^hf/ibert$' --checks "
           "convert_bf16,grads_bf16,batch,inputs,dropout,backend,backend_autocast --jobs 1 --timeout 900 --out "
           "benchmarks/results/census-412a27f-recheck.jsonl"),
+    Cited("census-f5a823b-slow-recheck.jsonl", "Two time-outs the census took for hangs, run again with a longer limit",
+          "f5a823b",
+          "EfficientNet and Falcon-H1 timed out at 900 s in the census above with the same Python stack twice (one "
+          "in eager autocast's own einsum on emulated bf16), which the census labels a hang. Run again with every "
+          "check and a 2700 s limit, at a later graphamp commit on **another machine** (an AMD EPYC with "
+          "avx512_bf16, against eager autocast on that machine): both finish, so those were long native calls.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/(falcon_h1|efficientnet)$' --jobs 1 --timeout 2700 "
+          "--out benchmarks/results/census-f5a823b-slow-recheck.jsonl"),
 )
 
 # The speed summary, bf16: one table per CPU class measured, each from its own files, all of them in
