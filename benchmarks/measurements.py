@@ -339,6 +339,12 @@ CITED = (
           "avx512_bf16, against eager autocast on that machine): both finish, so those were long native calls.",
           ".venv/bin/python benchmarks/census.py --only '^hf/(falcon_h1|efficientnet)$' --jobs 1 --timeout 2700 "
           "--out benchmarks/results/census-f5a823b-slow-recheck.jsonl"),
+    Cited("census-9982a25-slow-recheck.jsonl", "Three slow time-outs, run again with a longer limit", "9982a25",
+          "HRM-Text, SLANet and SLANeXt, which timed out at 900 s in the census above while working, run again with "
+          "every check and a 1500 s limit on **another machine** (an AMD EPYC with avx512_bf16, against eager "
+          "autocast on that machine). The run was stopped during the fourth model, TextNet, which has no row.",
+          ".venv/bin/python benchmarks/census.py --only '^hf/(hrm_text|slanet|slanext|textnet)$' --jobs 1 --timeout "
+          "1500 --out benchmarks/results/census-9982a25-slow-recheck.jsonl"),
 )
 
 # The speed summary, bf16: one table per CPU class measured, each from its own files, all of them in
