@@ -56,9 +56,9 @@ def _equal_to_constant(gm: GraphModule, value: Node, fake: torch.Tensor, expecte
         return None
     if tuple(constant.shape) != tuple(fake.shape) or constant.tolist() != expected:
         return None
-    name = f"_graphamp_expected_{len([n for n in gm.graph.nodes if n.op == 'get_attr'])}"
-    while hasattr(gm, name):
-        name += "_"
+    index = 0
+    while hasattr(gm, name := f"_graphamp_expected_{index}"):
+        index += 1
     gm.register_buffer(name, constant.to(fake.device), persistent=False)
     equal = gm.graph.call_function(torch.ops.aten.eq.Tensor, (value, gm.graph.get_attr(name)))
     return gm.graph.call_function(torch.ops.aten.all.default, (equal,))
