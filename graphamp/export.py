@@ -112,7 +112,13 @@ def export(
         if not needs_graph_breaks(refused):
             raise
         spec = dataclasses.replace(spec, capture="values")
-        ep = _export(model, args, kwargs, spec, dynamic=False)
+        try:
+            ep = _export(model, args, kwargs, spec, dynamic=False)
+        except CaptureError as failed:  # torch.export's refusal is the one to show; the capture's reason beside it
+            raise type(refused)(
+                f"{refused}\nThe capture on the example's values, which graphamp.export tries where torch.export cannot "
+                f"trace the code, failed too: {type(failed).__name__}: {(str(failed).splitlines() or [''])[0][:200]}"
+            ) from failed
     if on_drift == "off" or not spec.check or not holds_values(model, args, kwargs):
         return ep
     problem = verify_export(ep, model, args, kwargs, dtype=spec.dtype, device_type=spec.device_type, keep_io_types=keep_io_types)

@@ -6,6 +6,7 @@ Structure first (no autocast region, no graphamp call, weights stored low), nume
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import subprocess
@@ -460,3 +461,25 @@ def test_verify_export_names_a_dtype_difference():
     # keep_io_types returns fp32: compared against eager without keep_io_types, the dtype differs
     assert "float32" in graphamp.verify_export(ep, model, (x,)) and "bfloat16" in graphamp.verify_export(ep, model, (x,))
     assert graphamp.verify_export(ep, model, (x,), keep_io_types=True) == ""
+
+
+def test_where_the_capture_on_values_fails_too_torch_exports_refusal_is_raised_with_its_reason(monkeypatch):
+    # Before: the values capture's own error alone, which hides why export tried it (t5gemma2's
+    # "Current active mode ... not registered" from transformers' vmap mask code).
+    export_module = importlib.import_module("graphamp.export")  # graphamp.export is the function
+    real = export_module._export
+
+    def values_capture_fails(model, args, kwargs, spec, dynamic):
+        if spec.capture == "values":
+            raise graphamp.CaptureError("the values capture cannot run this code")
+        return real(model, args, kwargs, spec, dynamic)
+
+    monkeypatch.setattr(export_module, "_export", values_capture_fails)
+    model, x = _SelectsRows().eval(), torch.randn(6, 4)
+    mask = torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool)
+    with pytest.raises(graphamp.CaptureError) as raised:
+        graphamp.export(model, (x, mask))
+    text = str(raised.value)
+    assert text.splitlines()[0] != "the values capture cannot run this code"  # torch.export's refusal comes first
+    assert "failed too: CaptureError: the values capture cannot run this code" in text
+    assert isinstance(raised.value.__cause__, graphamp.CaptureError)

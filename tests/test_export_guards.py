@@ -8,7 +8,7 @@ import torch
 from torch.fx import Graph, GraphModule
 
 from graphamp.passes.export_guards import guards_as_asserts
-from graphamp.runtime import guard_value
+from graphamp.runtime import guard_size, guard_value
 
 
 def _guarded(read: str, expected: object, dtype: torch.dtype = torch.float32) -> GraphModule:
@@ -85,3 +85,32 @@ def test_an_integer_list_read_and_an_ops_own_item_are_asserted(read, values, exp
     assert torch.equal(program.module()(example), example * 2)
     with pytest.raises(RuntimeError, match="graphamp.export"):
         program.module()(other)
+
+
+def _size_guarded() -> GraphModule:
+    """x (bool, 4) -> nonzero(x), guarded to the example's (2, 1) -> returns its rows summed."""
+    g = Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, dtype=torch.bool)
+    rows = g.call_function(torch.ops.aten.nonzero.default, (x,))
+    rows.meta["val"] = torch.empty(2, 1, dtype=torch.int64)
+    g.call_function(guard_size, (rows, (2, 1), "model.py:11"))
+    g.output(g.call_function(torch.ops.aten.sum.dim_IntList, (rows, [0])))
+    return GraphModule(torch.nn.Module(), g)
+
+
+def test_a_size_guard_becomes_torchs_own_check_which_export_keeps():
+    # guard_size (a value-dependent size: nonzero, masked rows) becomes torch._check on each size,
+    # so torch.export fixes the size and asserts it at run time.
+    gm = _size_guarded()
+    assert guards_as_asserts(gm) == []
+    assert "guard_size" not in gm.code and "_check" in gm.code
+    example, same_count, other_count = (torch.tensor(v, dtype=torch.bool) for v in ([1, 0, 1, 0], [0, 1, 1, 0], [1, 1, 1, 0]))
+    assert torch.equal(gm(example), torch.tensor([2]))
+    assert torch.equal(gm(same_count), torch.tensor([3]))
+    with pytest.raises(RuntimeError):
+        gm(other_count)
+    program = torch.export.export(gm, (example,), strict=False)
+    assert torch.equal(program.module()(same_count), torch.tensor([3]))
+    with pytest.raises(RuntimeError):
+        program.module()(other_count)
