@@ -28,8 +28,8 @@ from graphamp.config import Config
 from graphamp.convert import check_inputs
 from graphamp.pipeline import rewrite
 from graphamp.backend.fallback import needs_graph_breaks
-from graphamp.errors import CaptureError, ExportError, GraphampError, PolicyDriftWarning
-from graphamp.passes.export_guards import guards_as_asserts
+from graphamp.errors import CaptureError, ExportError, GraphampError, InputValueError, PolicyDriftWarning
+from graphamp.passes.export_guards import REFUSAL, assertions_named, guards_as_asserts
 from graphamp.node_info import peek_graph_info
 from graphamp.policy import LOW_DTYPES
 from graphamp.runtime import set_grad_enabled
@@ -163,6 +163,9 @@ def verify_export(
     without grad from the same random state and buffers; "" where every output value and dtype is
     bitwise equal (with ``keep_io_types``, eager's low-precision outputs compared in fp32).
 
+    Raises :class:`graphamp.InputValueError` where the program refuses these inputs (an assertion of
+    a program exported on the example's values: they take another path through the model's code).
+
     >>> import graphamp
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).eval()
     >>> x = torch.randn(4, 8)
@@ -176,7 +179,12 @@ def verify_export(
     run_args, run_kwargs = pytree.tree_map_only(torch.Tensor, _as_fp32, (args, kwargs)) if keep_io_types else (args, kwargs)
     module = program.module()
     ref = outcome(lambda: autocast_call(model, args, kwargs, spec), model, grads=False, no_grad=True, inputs=(args, kwargs))
-    got = outcome(lambda: module(*run_args, **run_kwargs), model, grads=False, no_grad=True, inputs=(run_args, run_kwargs))
+    try:
+        got = outcome(lambda: module(*run_args, **run_kwargs), model, grads=False, no_grad=True, inputs=(run_args, run_kwargs))
+    except RuntimeError as e:  # an assertion of the program (export's guards): no result to compare, a refusal
+        if not str(e).startswith(REFUSAL):
+            raise
+        raise InputValueError(f"graphamp.verify_export: the program refuses these inputs. {e}") from e
     return difference(got, ref, keep_io_types=keep_io_types)
 
 
@@ -215,6 +223,9 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, spec: AmpSpec, dynamic:
                 "args, inference=True) gives the same graph as a module; try dynamic=False if sizes are the problem."
             ) from e
     check_portable(ep.graph_module, stage="the exported program")
+    if spec.capture == "values":  # torch's assertions on what the example gave: inputs they refuse read why
+        assertions_named(ep.graph_module, "this program follows the example's values through the model's code "
+                         "(torch.export could not trace it on any values) and holds the sizes and values they gave")
     return ep
 
 

@@ -256,8 +256,17 @@ def test_data_dependent_code_is_exported_from_the_capture_on_values_with_its_con
     same_count = torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.bool)
     for m in (mask, same_count):
         assert graphamp.verify_export(program, model, (torch.randn(6, 4), m)) == ""
-    with pytest.raises(RuntimeError, match="assertion"):  # another count of rows: refused, never run
-        program.module()(x, torch.ones(6, dtype=torch.bool))
+    other_count = (x, torch.ones(6, dtype=torch.bool))
+    # another count of rows: refused, never run, with graphamp's words before torch's own assertion
+    with pytest.raises(RuntimeError, match=r"^graphamp.export: this program follows the example's values.*Runtime assertion failed.*Way out"):
+        program.module()(*other_count)
+    with pytest.raises(graphamp.InputValueError, match="the program refuses these inputs"):
+        graphamp.verify_export(program, model, other_count)
+    saved = io.BytesIO()
+    torch.export.save(program, saved)
+    saved.seek(0)
+    with pytest.raises(graphamp.InputValueError, match="refuses these inputs. graphamp.export: this program follows"):
+        graphamp.verify_export(torch.export.load(saved), model, other_count)  # a saved program keeps the words
 
 
 class _Ste(torch.autograd.Function):

@@ -17,9 +17,13 @@ from torch.fx import GraphModule, Node
 
 from graphamp.runtime import assert_condition, guard_size, guard_value
 
-__all__ = ["guards_as_asserts"]
+__all__ = ["REFUSAL", "assertions_named", "guards_as_asserts"]
 
 _ASSERT = torch.ops.aten._assert_async.msg
+# Where a program graphamp exported refuses inputs, its message begins so (verify_export names it).
+REFUSAL = "graphamp.export:"
+# torch.export's own runtime assertions, on the sizes and values a program was fixed to.
+_TORCH_ASSERTS = (torch.ops.aten._assert_scalar.default, _ASSERT)
 
 
 # An ATen op's own read of a one-element tensor (``aten.item`` inside a composite's decomposition).
@@ -75,7 +79,7 @@ def guards_as_asserts(gm: GraphModule) -> list[str]:
             cond = _condition(gm, read, list(values), expected)
             if cond is not None:
                 gm.graph.call_function(_ASSERT, (cond, (
-                    f"graphamp.export: the model's code reads a tensor value ({read}{f' at {where}' if where else ''}) "
+                    f"{REFUSAL} the model's code reads a tensor value ({read}{f' at {where}' if where else ''}) "
                     f"that was {expected!r} on the example this program follows; eager runs another program for "
                     "these inputs. Way out: export with an example that takes their path, or use graphamp.convert, "
                     "which converts again for them."
@@ -94,6 +98,27 @@ def guards_as_asserts(gm: GraphModule) -> list[str]:
         gm.graph.erase_node(node)
     gm.recompile()
     return unexpressed
+
+
+def assertions_named(gm: GraphModule, why: str) -> int:
+    """Begin the message of each runtime assertion in ``gm`` and its subgraphs (torch.export's own,
+    on the sizes and values the program was fixed to) with graphamp's: ``why`` it holds them, then
+    torch's words and the way out, so inputs it refuses say so. Returns how many it named."""
+    named = 0
+    for module in gm.modules():
+        if not isinstance(module, GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function" or node.target not in _TORCH_ASSERTS or len(node.args) < 2:
+                continue
+            if isinstance(node.args[1], str) and not node.args[1].startswith(REFUSAL):
+                node.args = (node.args[0], (
+                    f"{REFUSAL} {why}; these inputs are not: {node.args[1]}. Way out: export with an example that "
+                    "takes their path, or use graphamp.convert, which converts again for them."
+                ), *node.args[2:])
+                named += 1
+        module.recompile()
+    return named
 
 
 def _erase_unused(graph: torch.fx.Graph, nodes: list[Node]) -> None:
