@@ -192,7 +192,12 @@ class Versions:
         self.entries = [(weakref.ref(t), t._version, t.data_ptr()) for t in tensors]
 
     def moved(self) -> bool:
-        return any(self._moved(entry) for entry in self.entries)
+        # A plain loop: a compiled module asks on every call (a generator of method calls costs twice).
+        for ref, version, pointer in self.entries:
+            t = ref()
+            if t is not None and (t._version != version or t.data_ptr() != pointer):
+                return True
+        return False
 
     def unmoved(self) -> Versions:
         """These versions without the tensors that moved since they were taken (a program that
