@@ -124,6 +124,11 @@ CITED = (
           "Forward, backward and AdamW step on the four bench models, every variant of the task, on the same AMD "
           "EPYC (avx512_bf16), with the cores to itself: `torch.compile` in fp32 and with autocast beside "
           "graphamp's exact, autotune, budget, backend and TrainStep variants."),
+    Cited("bench-2026-12-02b-avx512bf16-infer-fp16.json", "Speed: inference, fp16 on an AMD EPYC with avx512_bf16",
+          "09a95a7",
+          "The same comparison in fp16 on the same AMD EPYC, whose fp16 is emulated (eager fp16 autocast 5 to 65 "
+          "times slower than fp32 here), with the cores to itself: compiled fp32 is the alternative to beat, and "
+          "graphamp's autotune and budget raise the slow ops to fp32."),
     Cited("bench-2026-11-28p-infer-bf16.json", "Speed: inference, bf16", "30d25d4",
           "Eval under `no_grad` on the four bench models; graphamp's compiled autotune variant also "
           "tries inductor's C++ wrapper."),
@@ -345,6 +350,16 @@ CITED = (
           "autocast on that machine). The run was stopped during the fourth model, TextNet, which has no row.",
           ".venv/bin/python benchmarks/census.py --only '^hf/(hrm_text|slanet|slanext|textnet)$' --jobs 1 --timeout "
           "1500 --out benchmarks/results/census-9982a25-slow-recheck.jsonl"),
+    Cited("census-333ae8f-export-recheck.jsonl", "Four exported programs that refuse other values, after they name it",
+          "333ae8f",
+          "The four models of the export recheck above whose programs refuse other values with a runtime assertion "
+          "(counted silent there: a program's `RuntimeError` is not graphamp's type), run again after programs "
+          "captured on the example's values began torch's own assertions with graphamp's words and "
+          "`graphamp.verify_export` raised `graphamp.InputValueError` on inputs a program refuses. Same machine "
+          "as that recheck (an AMD EPYC with avx512_bf16).",
+          "GRAPHAMP_CENSUS_SITE=.venv/census-site .venv/bin/python benchmarks/census.py --only "
+          "'^hf/(fastspeech2_conformer|longcat_flash|openai_privacy_filter|switch_transformers)$' --checks export "
+          "--jobs 1 --timeout 900 --out benchmarks/results/census-333ae8f-export-recheck.jsonl"),
 )
 
 # The speed summary, bf16: one table per CPU class measured, each from its own files, all of them in
