@@ -8,8 +8,7 @@ every cast is graphamp's, and inductor fuses them into its kernels. Dynamo trace
 input checks and pytree flattening run in Python around it, since traced they add guards that
 dynamo evaluates on every call (on the bench's conv net, 468 guard lines against 236). A parameter
 replaced on the model after conversion raises ``ModelChangedError``, as uncompiled. With
-``inference=True`` inductor's freezing constant-folds the weights, which the converted graph already holds in low precision, and prepacks
-them for oneDNN.
+``inference=True`` inductor's freezing folds the weights, already cast low, and prepacks them for oneDNN.
 
 It is opt-in and not bitwise: inductor computes fused elementwise chains, reductions (layer_norm,
 softmax) and bf16 roundings its own way. :attr:`CompiledAmpModule.drift` records, on the example,
@@ -161,9 +160,13 @@ class CompiledAmpModule(nn.Module):
 
     @property
     def options(self) -> dict[str, Any]:
-        """The inductor config patches this module compiles with beyond graphamp's own (a copy):
-        ``{"cpp_wrapper": True}`` where autotune kept inductor's C++ wrapper."""
+        """Inductor config patches beyond graphamp's own (a copy): ``{"cpp_wrapper": True}`` where autotune kept it."""
         return dict(self.__dict__.get("_options", {}))
+
+    @property
+    def freezing(self) -> bool:
+        """Whether inductor's freezing folds the weights into the code (inference, unless autotune timed it slower)."""
+        return self.__dict__["_freezing"]
 
     @property
     def runs_compiled(self) -> bool:
@@ -263,9 +266,8 @@ class CompiledAmpModule(nn.Module):
         return (*((freezing_patch,) if self.__dict__["_freezing"] else ()), *((eager_kernel_metas,) if self._calls_grouped_mm() else ()))
 
     def _calls_grouped_mm(self) -> bool:
-        """Whether the graph calls ``aten._grouped_mm`` (MoE experts), whose fake kernel refuses the
-        fp32 operands its CPU kernel takes: its compiles trace with :func:`eager_kernel_metas` then, as
-        capture does (else the compile fails and the module runs uncompiled)."""
+        """Whether the graph calls ``aten._grouped_mm`` (MoE experts), whose fake kernel refuses the fp32 operands
+        its CPU kernel takes: compiles trace with :func:`eager_kernel_metas` then, as capture does."""
         found = self.__dict__.get("_grouped_mm")
         if found is None:
             found = self.__dict__["_grouped_mm"] = any(n.target is torch.ops.aten._grouped_mm.default for n in self.amp.graph.nodes)
@@ -278,13 +280,11 @@ class CompiledAmpModule(nn.Module):
                 f"graphamp: compiling the converted module for these inputs failed ({type(e).__name__}: "
                 f"{_first_line(e)}); it ran uncompiled (exact, slower). Inputs of other shape classes are "
                 "converted again by the uncompiled module; pad inputs to the example's shape class to stay compiled.",
-                CompileFallbackWarning,
-                stacklevel=3,
+                CompileFallbackWarning, stacklevel=3,
             )
 
     def refresh(self) -> None:
-        """Re-cast the converted module's weights from the model (``AmpModule.refresh``) and compile
-        again on the next call, since freezing folded the old values into the compiled code."""
+        """Re-cast the weights from the model (``AmpModule.refresh``); compile again on the next call (freezing folded them)."""
         self.amp.refresh()
         self.__dict__["_compiled"] = None
 
@@ -293,8 +293,7 @@ class CompiledAmpModule(nn.Module):
         again = self.__dict__.get("_compiled_again", 0)
         self.__dict__["_compiled_again"] = again + 1
         _log.log(
-            logging.WARNING if again == 0 else logging.INFO,
-            "graphamp: the weights of the compiled %s changed since inductor's freezing folded them into its code: "
+            logging.WARNING if again == 0 else logging.INFO, "graphamp: the weights of the compiled %s changed since inductor's freezing folded them into its code: "
             "compiling again (%d time(s)). For weights that change between calls, convert with inference=False.",
             type(self.amp).__name__.removesuffix("Amp"), again + 1,
         )
@@ -478,11 +477,12 @@ def _tree_errors(got: list[Any], ref: list[Any], *, one_scale: bool = False) -> 
 
 
 def compile_converted(
-    amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, *, inductor_mode: str | None = None, options: dict[str, Any] | None = None
+    amp: nn.Module, model: nn.Module, args: tuple, kwargs: dict, *, inductor_mode: str | None = None, options: dict[str, Any] | None = None,
+    freezing: bool | None = None,
 ) -> nn.Module:
-    """``amp`` compiled, and compiled now: the example runs through it once (model state restored
-    after), which is where a failure to compile raises :class:`CompileError`; its difference from
-    eager autocast on the example is kept in ``.drift``."""
+    """``amp`` compiled (inductor's ``freezing`` for inference unless ``freezing`` says), and compiled
+    now: the example runs through it once (model state restored after), which is where a failure to
+    compile raises :class:`CompileError`; its difference from eager autocast is kept in ``.drift``."""
     if not isinstance(amp, AmpModule):  # the dynamo fallback (graph breaks): already torch.compile'd
         warnings.warn(
             f"graphamp.convert(compile=True): {type(model).__name__} needed dynamo's graph breaks, so it runs "
@@ -491,7 +491,7 @@ def compile_converted(
             stacklevel=3,
         )
         return amp
-    cm = CompiledAmpModule(amp, inductor_mode=inductor_mode, options=options)
+    cm = CompiledAmpModule(amp, freezing=freezing, inductor_mode=inductor_mode, options=options)
     start = time.perf_counter()
     try:
         with state_restored(model), torch.inference_mode(False), torch.enable_grad():

@@ -112,25 +112,32 @@ def test_programs_are_timed_with_the_callers_threads(monkeypatch):
     assert set(seen) == {torch.get_num_threads()} and len(seen) >= 3 and len(samples["plan"]) == 2
 
 
-def test_inference_keeps_the_cpp_wrapper_where_it_times_faster(monkeypatch):
+@pytest.mark.parametrize("unfrozen_wins", [False, True])
+def test_inference_tries_without_freezing_then_the_cpp_wrapper_keeping_what_times_faster(monkeypatch, unfrozen_wins):
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), torch.randn(4, 8)
     stages = []
+    # Each stage's winner: the plan beats every op raised; then "without freezing" wins or not; then
+    # the C++ wrapper beats whichever was kept.
+    winners = ["plan", "without freezing" if unfrozen_wins else "plan", "C++ wrapper"]
 
     def fake_times(runs, **kw):
         stages.append(sorted(runs))
         for run in runs.values():
             run()
-        # The plan beats every op raised; then its C++-wrapper build beats it.
-        return {name: [1.0] if name in ("C++ wrapper", "plan") and len(stages) == (2 if name == "C++ wrapper" else 1) else [2.0] for name in runs}
+        return {name: [1.0] if name == winners[len(stages) - 1] else [2.0] for name in runs}
 
     monkeypatch.setattr(autotune_compiled, "time_programs", fake_times)
     with measuring(timer=lambda fn, trial: 1.0 if trial.dtype is not torch.float32 else 2.0, cache=MeasurementCache(), check_accuracy=False):
         cm = graphamp.convert(model, (x,), dtype=BF16, mode="autotune", inference=True, compile=True)
-    assert stages == [["every op raised", "plan"], ["C++ wrapper", "plan"]]
-    assert cm.__dict__["_options"] == {"cpp_wrapper": True} and cm.runs_compiled and "cpp_wrapper=True" in repr(cm)
+    assert stages == [["every op raised", "plan"], ["plan", "without freezing"], ["C++ wrapper", "plan"]]
+    # The C++ wrapper's build keeps the freezing choice made before it.
+    assert cm.options == {"cpp_wrapper": True} and cm.freezing is (not unfrozen_wins)
+    assert cm.runs_compiled and "cpp_wrapper=True" in repr(cm) and ("(freezing)" in repr(cm)) is (not unfrozen_wins)
     plan = graphamp.AutotunePlan.of(cm.amp)
-    assert plan.compiled.startswith("compiled: the plan (") and "C++ wrapper 1 ms against 2 ms (0.50x), kept" in plan.compiled
+    said = "without freezing 1 ms against 2 ms (0.50x), kept" if unfrozen_wins else "without freezing 2 ms against 1 ms (2.00x), not kept"
+    assert plan.compiled.startswith("compiled: the plan (") and said in plan.compiled
+    assert "C++ wrapper 1 ms against 2 ms (0.50x), kept" in plan.compiled
     with torch.autocast("cpu", dtype=BF16):
         expected = model(x)
     y = cm(x)

@@ -9,8 +9,8 @@ example, in interleaved rounds: the plan's own, autocast's dtypes (the plan's ra
 op raised (each, like the plan, no less accurate than eager autocast on the example). Each is judged
 by the median over the rounds of its time over the plan's in the same round, and the plan's own is
 kept unless another's is below ``1 - MARGIN``. For ``inference=True`` the program kept is then
-compiled once more with inductor's C++ wrapper and timed against itself the same way. Each
-candidate costs a compile.
+compiled again without inductor's freezing, then with its C++ wrapper (:data:`SETTINGS_TRIED`),
+each timed against the one kept so far the same way. Each candidate costs a compile.
 """
 
 from __future__ import annotations
@@ -162,7 +162,10 @@ def fastest_compiled(
     best = pick(samples) if samples else "plan"
     chosen = compiled[best]
     if spec.inference and compile_fn is compile_converted and getattr(chosen, "runs_compiled", False):
-        chosen = _cpp_wrapper_if_faster(chosen, {"plan": amp, **programs}[best], model, args, kwargs, run, notes)
+        program, settings = {"plan": amp, **programs}[best], {}
+        for name, setting in SETTINGS_TRIED:
+            chosen, kept = _setting_if_faster(chosen, program, name, {**settings, **setting}, model, args, kwargs, run, notes)
+            settings.update(setting if kept else {})
     return _chosen(chosen, caught[best], best, samples, notes, spec)
 
 
@@ -181,33 +184,40 @@ def program_call(program: nn.Module, args: tuple, kwargs: dict, params: list[tor
     return call
 
 
-def _cpp_wrapper_if_faster(
-    cm: nn.Module, program: AmpModule, model: nn.Module, args: tuple, kwargs: dict, run: Callable[[nn.Module], Callable[[], Any]], notes: list[str]
-) -> nn.Module:
-    """``program`` compiled again with inductor's C++ wrapper (the call's Python glue compiled
-    too: 0.93x on the bench's 1 ms checkerboard, nothing on BERT), kept where it times faster
-    than ``cm`` by the same rule as the candidates; the choice is added to ``notes``."""
+# Inference only, each tried on the program kept so far and kept where it times faster by the
+# candidates' rule: without freezing (on the AMD EPYCs, an fp32 matmul prepacked by freezing ran
+# 1.02-1.11x compiled fp32's unfrozen time on GPT-2 and BERT; it wins wherever matmuls stay low), then
+# inductor's C++ wrapper (the call's Python glue compiled too: 0.93x on the bench's 1 ms checkerboard).
+SETTINGS_TRIED = (("without freezing", {"freezing": False}), ("C++ wrapper", {"options": {"cpp_wrapper": True}}))
+
+
+def _setting_if_faster(
+    cm: nn.Module, program: AmpModule, name: str, settings: dict[str, Any], model: nn.Module, args: tuple, kwargs: dict,
+    run: Callable[[nn.Module], Callable[[], Any]], notes: list[str],
+) -> tuple[nn.Module, bool]:
+    """``program`` compiled again with ``settings`` (``compile_converted``'s keywords), kept where it
+    times faster than ``cm``: the module kept and whether it is the new one; the choice is added to ``notes``."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cpp = compile_converted(program, model, args, kwargs, options={"cpp_wrapper": True})
-    except Exception as e:  # noqa: BLE001 (optional: the Python wrapper stays)
-        notes.append(f"C++ wrapper: not compiled ({type(e).__name__})")
-        return cm
-    if not getattr(cpp, "runs_compiled", False):
-        notes.append("C++ wrapper: refused")
-        return cm
+            other = compile_converted(program, model, args, kwargs, **settings)
+    except Exception as e:  # noqa: BLE001 (optional: cm stays)
+        notes.append(f"{name}: not compiled ({type(e).__name__})")
+        return cm, False
+    if not getattr(other, "runs_compiled", False):
+        notes.append(f"{name}: refused")
+        return cm, False
     faults: dict[str, float] = {}
     with state_restored(model), inputs_restored((args, kwargs)):  # the example as it was, after
-        samples = time_programs({"plan": run(cm), "C++ wrapper": run(cpp)}, faults=faults)
-    ratio = ratios_to_plan(samples)["C++ wrapper"]
-    kept = pick(samples) == "C++ wrapper"
+        samples = time_programs({"plan": run(cm), name: run(other)}, faults=faults)
+    ratio = ratios_to_plan(samples)[name]
+    kept = pick(samples) == name
     said = faults_said(faults)
     notes.append(
-        f"C++ wrapper {statistics.median(samples['C++ wrapper']):.3g} ms against {statistics.median(samples['plan']):.3g} ms "
+        f"{name} {statistics.median(samples[name]):.3g} ms against {statistics.median(samples['plan']):.3g} ms "
         f"({ratio:.2f}x), {'kept' if kept else 'not kept'}" + (f" ({said})" if said else "")
     )
-    return cpp if kept else cm
+    return (other, True) if kept else (cm, False)
 
 
 def ratios_to_plan(samples: dict[str, list[float]]) -> dict[str, float]:

@@ -28,7 +28,7 @@ PRIOR_SETUP_S = {"eager": 5.0, "convert": 20.0, "compile": 40.0}
 def setup_kind(variant: str, cpp_wrapper: bool) -> tuple[str, float]:
     """What preparing ``variant`` costs, as (kind, how many of that kind)."""
     if variant in ("graphamp_autotune_compiled", "trainstep_autotune_compiled"):
-        return "compile", 3.0 + cpp_wrapper  # up to three candidates, then the C++-wrapper build
+        return "compile", 3.0 + 2 * cpp_wrapper  # up to three candidates; inference: unfrozen, then C++-wrapper builds
     if variant == "graphamp_budget_compiled":
         return "compile", 8.0  # a compile per op type tried, about seven on the bench's transformers
     if variant == "graphamp_budget":

@@ -238,8 +238,8 @@ def prepare(name: str, case: zoo.Case, task: str, dtype: torch.dtype, *, cpp_wra
         call = lambda: cm(*args, **kwargs)  # noqa: E731
         variant = Variant(as_step(call, model.parameters()), call, None)
         if getattr(cm, "options", {}).get("cpp_wrapper"):
-            # Autotune kept the C++ wrapper: profile the same program with the Python wrapper.
-            twin = graphamp.CompiledAmpModule(cm.amp)
+            # Autotune kept the C++ wrapper: profile the same program (frozen or not) with the Python wrapper.
+            twin = graphamp.CompiledAmpModule(cm.amp, freezing=cm.freezing)
             variant.profiled = as_step(lambda: twin(*args, **kwargs), model.parameters())
         ran = "" if getattr(cm, "runs_compiled", False) else " (the compiled program was refused: runs uncompiled)"
         variant.note = (f"inference={inference}; drift on the example: {cm.drift.line()}" if getattr(cm, "drift", None) else "") + ran
