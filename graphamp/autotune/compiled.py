@@ -185,9 +185,9 @@ def program_call(program: nn.Module, args: tuple, kwargs: dict, params: list[tor
 
 
 # Inference only, each tried on the program kept so far and kept where it times faster by the
-# candidates' rule: without freezing (on the AMD EPYCs, an fp32 matmul prepacked by freezing ran
-# 1.02-1.11x compiled fp32's unfrozen time on GPT-2 and BERT; it wins wherever matmuls stay low), then
-# inductor's C++ wrapper (the call's Python glue compiled too: 0.93x on the bench's 1 ms checkerboard).
+# candidates' rule: without freezing (fp32 matmuls prepacked by freezing ran 0.92-1.11x their unfrozen
+# time on the AMD EPYCs' BERT and GPT-2, by run: neither wins everywhere), then inductor's C++ wrapper
+# (the call's Python glue compiled too: 0.93x on the bench's 1 ms checkerboard).
 SETTINGS_TRIED = (("without freezing", {"freezing": False}), ("C++ wrapper", {"options": {"cpp_wrapper": True}}))
 
 
