@@ -48,6 +48,10 @@ def trace_onednn_lstm(node: Node, *, grad_enabled: bool) -> tuple[GraphModule | 
         for i, v in zip(positions, vals):
             filled[i] = v
         a, k = pytree.tree_unflatten(filled, spec)
+        # Eager's kernel copies a strided input (or state) into a contiguous one before oneDNN reads
+        # it; on the contiguous fakes below that copy is not traced, and oneDNN misreads the strided
+        # tensors of a later call (an nn.LSTM fed a permuted activation): made explicit, for any strides.
+        a = (_contiguous(a[0]), [_contiguous(t) for t in a[1]], *a[2:])
         return torch.ops.aten.lstm.input(*a, **k)
 
     try:
@@ -61,6 +65,10 @@ def trace_onednn_lstm(node: Node, *, grad_enabled: bool) -> tuple[GraphModule | 
     if not any(n.target is torch.ops.aten.mkldnn_rnn_layer.default for n in sub.graph.nodes) or sub.graph.find_nodes(op="get_attr"):
         return None, []
     return sub, [flat[i] for i in positions]
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.clone.default(t, memory_format=torch.contiguous_format)
 
 
 def _static_fake(val: Any, mode: FakeTensorMode) -> Any:
