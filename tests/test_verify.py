@@ -86,6 +86,20 @@ def test_wrong_policy_fails_and_names_the_first_divergent_node(device_type, dtyp
         assert 0 < report.outputs[0].max_abs_error and report.outputs[0].sqnr_db < float("inf")
 
 
+def test_an_inference_conversion_is_diagnosed_at_its_divergence_not_at_its_frozen_weights():
+    # inference=True freezes weights to low-precision buffers; the lowered graph read them as bare
+    # bf16, so the first Linear (weight "bf16" against eager's "fp32->bf16") was named instead.
+    from graphamp.verify.check import check
+
+    wrong = graphamp.Config(op_overrides={"layer_norm": "lower_precision_fp"})
+    model, x = Net().eval(), torch.randn(4, 5, 8)
+    amp = graphamp.convert(model, (x,), inference=True, config=wrong, self_check="off")
+    assert amp.cast_summary()["frozen_weights"] > 0
+    d = check(model, (x,), {}, dtype=torch.bfloat16, device_type="cpu", mode="exact", config=wrong, grads=False, amp=amp).divergence
+    assert (d.kind, d.index, d.node) == ("dtype", 1, "layer_norm")
+    assert d.graphamp_inputs == ("bf16", "fp32->bf16", "fp32->bf16") and d.eager_inputs == ("bf16", "fp32", "fp32")
+
+
 def _drift(monkeypatch, key, category):
     """Simulate a CPU op list that drifted from the installed torch."""
     drifted = types.MappingProxyType({**policy_module._REGISTERED["cpu"], key: category})

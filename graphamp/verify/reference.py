@@ -27,6 +27,7 @@ from graphamp.config import Config
 from graphamp.eager import inputs_restored, rng_kept
 from graphamp.emit import AmpModule
 from graphamp.errors import PolicyDriftError
+from graphamp.model_binding import FROZEN
 from graphamp.runtime import WeightCache
 from graphamp.shared_state import capture_lock
 from graphamp.spec import AmpSpec
@@ -102,10 +103,22 @@ def _lowered_graph(amp: AmpModule, args: tuple, kwargs: dict) -> GraphModule:
     def run(*a: Any, **k: Any) -> Any:
         flat = fx_pytree.tree_flatten_spec((a, k), in_spec)
         # The Interpreter runs node by node, so each lowered op records its converted node in from_node.
-        return torch.fx.Interpreter(amp).run(*flat, enable_io_processing=False)
+        return _CastFrozen(amp).run(*flat, enable_io_processing=False)
 
     with fx_traceback.preserve_node_meta():
         return _trace(run, args, kwargs)
+
+
+class _CastFrozen(torch.fx.Interpreter):
+    """The converted graph run node by node, each weight ``inference=True`` froze to low precision
+    read as the cast it was made by (the model's parameter, cast to the buffer's dtype: the same
+    values), so the lowered graph's dtype histories read ``fp32->bf16`` there, as eager's do."""
+
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        source = (self.module.__dict__.get(FROZEN) or {}).get(target)
+        param = source() if source is not None else None
+        return value if param is None else param.to(value.dtype)
 
 
 def _count_casts(gm: GraphModule) -> int:
