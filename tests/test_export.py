@@ -492,3 +492,35 @@ def test_where_the_capture_on_values_fails_too_torch_exports_refusal_is_raised_w
     assert text.splitlines()[0] != "the values capture cannot run this code"  # torch.export's refusal comes first
     assert "failed too: CaptureError: the values capture cannot run this code" in text
     assert isinstance(raised.value.__cause__, graphamp.CaptureError)
+
+
+class _LoopsOverUniqueRows(nn.Module):
+    """A change of state, then a Python loop over value-sized values (``nonzero().unique()``, as
+    ViLT's patch sampling) with a read inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)  # the capture moves its guards before this, with copies of what they read
+        out = x.sum(0)
+        for r in mask.nonzero()[:, 0].unique():
+            if bool((x[r] > 0).any()):
+                out = out + self.lin(x[r])
+        return out
+
+
+def test_a_loop_over_value_sized_values_after_a_change_of_state_is_exported():
+    # Before: ExportError (GuardOnDataDependentSymNode): the guards moved before the change of state
+    # read copies of the unique op without their size guards, which torch.export cannot size.
+    torch.manual_seed(0)
+    model, x = _LoopsOverUniqueRows().eval(), torch.randn(6, 4)
+    mask = torch.tensor([[1, 0], [0, 0], [1, 1], [0, 0], [0, 1], [0, 0]], dtype=torch.bool)
+    program = graphamp.export(model, (x, mask))
+    assert graphamp.verify_export(program, model, (x, mask)) == ""
+    amp = graphamp.convert(model, (x, mask), inference=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x, mask)
+    assert torch.equal(amp(x, mask), want)

@@ -374,13 +374,21 @@ def _guards_first(gm: GraphModule) -> None:
             continue
         copies: dict[Node, Node] = {}
         for node in sorted(cone, key=order.__getitem__):
-            if node.op == "placeholder" or order[node] < order[first]:
+            if node.op == "placeholder" or order[node] < order[first] or node in copies:
                 continue
             with graph.inserting_before(first):
                 copies[node] = graph.node_copy(node, lambda n: copies.get(n, n))
-        with graph.inserting_before(first):
-            graph.node_copy(guard, lambda n: copies.get(n, n))
-        graph.erase_node(guard)
+                # A copied value-sized op keeps its size guards: torch.export sizes each copy by its own.
+                for sized in _size_guards_on(node):
+                    if sized not in copies:
+                        copies[sized] = graph.node_copy(sized, lambda n: copies.get(n, n))
+        if guard not in copies:
+            with graph.inserting_before(first):
+                graph.node_copy(guard, lambda n: copies.get(n, n))
+        if guard.target is not guard_size:
+            # A size guard also stays where it was: the ops after it read the original's size, which
+            # torch.export traces as a new unbacked size and sizes only by that guard's check.
+            graph.erase_node(guard)
     if stays:
         buffers = dict(gm.named_buffers())
         changed = {
@@ -388,6 +396,17 @@ def _guards_first(gm: GraphModule) -> None:
         }
         random = any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags for n in changes)
         graph_info(gm).restore_on_refusal = (sorted(changed), random or any(not isinstance(n.target, torch._ops.OpOverload) for n in changes))
+
+
+def _size_guards_on(node: Node) -> list[Node]:
+    """The ``guard_size`` nodes on ``node``'s output or its items, each after the item it reads."""
+    found = []
+    for user in node.users:
+        if user.target is guard_size:
+            found.append(user)
+        elif user.target is operator.getitem and any(g.target is guard_size for g in user.users):
+            found += [user, *(g for g in user.users if g.target is guard_size)]
+    return found
 
 
 def _drop_dead(graph: Graph) -> None:
