@@ -378,16 +378,12 @@ def _guards_first(gm: GraphModule) -> None:
                 continue
             with graph.inserting_before(first):
                 copies[node] = graph.node_copy(node, lambda n: copies.get(n, n))
-                # A copied value-sized op keeps its size guards: torch.export sizes each copy by its own.
-                for sized in _size_guards_on(node):
-                    if sized not in copies:
-                        copies[sized] = graph.node_copy(sized, lambda n: copies.get(n, n))
+                for sized in (n for n in _size_guards_on(node) if n not in copies):  # torch.export sizes each copy by its own
+                    copies[sized] = graph.node_copy(sized, lambda n: copies.get(n, n))
         if guard not in copies:
             with graph.inserting_before(first):
                 graph.node_copy(guard, lambda n: copies.get(n, n))
-        if guard.target is not guard_size:
-            # A size guard also stays where it was: the ops after it read the original's size, which
-            # torch.export traces as a new unbacked size and sizes only by that guard's check.
+        if guard.target is not guard_size:  # a size guard stays too: torch.export sizes the original by it
             graph.erase_node(guard)
     if stays:
         buffers = dict(gm.named_buffers())
@@ -400,12 +396,10 @@ def _guards_first(gm: GraphModule) -> None:
 
 def _size_guards_on(node: Node) -> list[Node]:
     """The ``guard_size`` nodes on ``node``'s output or its items, each after the item it reads."""
-    found = []
-    for user in node.users:
-        if user.target is guard_size:
-            found.append(user)
-        elif user.target is operator.getitem and any(g.target is guard_size for g in user.users):
-            found += [user, *(g for g in user.users if g.target is guard_size)]
+    found = [u for u in node.users if u.target is guard_size]
+    for item in (u for u in node.users if u.target is operator.getitem):
+        guards = [g for g in item.users if g.target is guard_size]
+        found += [item, *guards] if guards else []
     return found
 
 
