@@ -124,6 +124,15 @@ CITED = (
           "Forward, backward and AdamW step on the four bench models, every variant of the task, on the same AMD "
           "EPYC (avx512_bf16), with the cores to itself: `torch.compile` in fp32 and with autocast beside "
           "graphamp's exact, autotune, budget, backend and TrainStep variants."),
+    Cited("bench-2026-12-02c-avx512bf16-infer-bf16.json", "Speed: inference, bf16 on an AMD EPYC with avx512_bf16, again",
+          "874fdbc",
+          "The bf16 inference comparison above run again on the same machine class at a later commit, where "
+          "graphamp's compiled autotune also tries its program without inductor's freezing (kept nowhere here), "
+          "with the cores to itself (the census paused). The ratios moved by up to 0.1 against the run above "
+          "(BERT 0.96 there, 1.06 here; GPT-2 0.96, 1.05): the p10-p90 ranges of graphamp's compiled variants and "
+          "`compile_autocast_freezing` overlap on every model, and `compile_pure_low`, whose precision no variant "
+          "at autocast's accuracy can beat, timed 1.02 to 1.09 times `compile_autocast_freezing` on the three "
+          "compiled-friendly models."),
     Cited("bench-2026-12-02b-avx512bf16-infer-fp16.json", "Speed: inference, fp16 on an AMD EPYC with avx512_bf16",
           "09a95a7",
           "The same comparison in fp16 on the same AMD EPYC, whose fp16 is emulated (eager fp16 autocast 5 to 65 "
@@ -366,7 +375,7 @@ CITED = (
 # docs/measurements.md's SPEED_BY_CLASS section, in this order.
 SPEED_FILES = {
     "xeon-amx": ("bench-2026-12-01b-amx-infer-bf16.json", "bench-2026-12-01-amx-train-bf16.json"),
-    "epyc-avx512-bf16": ("bench-2026-12-02-avx512bf16-infer-bf16.json", "bench-2026-12-02-avx512bf16-train-bf16.json"),
+    "epyc-avx512-bf16": ("bench-2026-12-02c-avx512bf16-infer-bf16.json", "bench-2026-12-02-avx512bf16-train-bf16.json"),
     "epyc-avx2": ("bench-2026-11-29-avx2-infer-bf16.json", "bench-2026-12-01c-avx2-infer-bf16-gpt2-encoder.json",
                   "bench-2026-11-29-avx2-train-bf16.json", "bench-2026-11-29c-avx2-train-bf16-gpt2-bert.json"),
 }
