@@ -16,7 +16,8 @@ CPU policy (CUDA autocast turns the path off: the module checks ``torch.is_autoc
 Anything else keeps the ordinary ops.
 
 An ``nn.MultiheadAttention`` outside such a layer takes ``torch._native_multi_head_attention`` in
-the same conditions (self-attention, ``need_weights=False`` here). That op is on CPU autocast's
+the same conditions (self-attention; no mask but a bool ``key_padding_mask``, which it takes as
+0/-inf; here only where nothing reads the attention weights). That op is on CPU autocast's
 lower-precision list, so it needs no autocast region: it replaces the module's ops as an ordinary
 node, and insert_casts casts its inputs as eager autocast does.
 """
@@ -125,9 +126,10 @@ def _fused_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, No
     return src, outputs[0], args
 
 
-def _attention_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, Node, tuple] | None:
-    """(input, output, the fused op's arguments after query, key, value) for a self-attention
-    ``nn.MultiheadAttention`` call that returns no weights, or None."""
+def _attention_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, Node, tuple, Node | None, bool] | None:
+    """(input, output, the fused op's arguments after query, key, value, the bool key padding mask
+    or None, need_weights) for a self-attention ``nn.MultiheadAttention`` call whose attention
+    weights nothing reads, or None."""
     inside = set(nodes)
     params = {n.target: n for n in gm.graph.find_nodes(op="get_attr")}
     weights = [params.get(_join(path, name.removeprefix("self_attn."))) for name in _PARAMS[:4]]
@@ -135,9 +137,12 @@ def _attention_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node
         return None
     inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
     tensors = [a for a in inputs if a.op != "get_attr" and _is_tensor(a)]
+    # A bool key_padding_mask (B, S) keeps the fast path (a float one, or an attn_mask, does not).
+    masks = [a for a in tensors if a.meta["val"].dtype is torch.bool and a.meta["val"].dim() == 2]
+    tensors = [a for a in tensors if a not in masks]
     outputs = [n for n in nodes if _is_tensor(n) and any(u not in inside for u in n.users)]
-    if len(tensors) != 1 or len(outputs) != 1 or any(a.op == "get_attr" and a not in weights for a in inputs):
-        return None  # cross-attention, masks, or attention weights returned
+    if len(tensors) != 1 or len(masks) > 1 or len(outputs) != 1 or any(a.op == "get_attr" and a not in weights for a in inputs):
+        return None  # cross-attention, other masks, or attention weights returned
     src = tensors[0]
     val = src.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 3 or val.dtype is not torch.float32:
@@ -145,13 +150,17 @@ def _attention_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node
     if any(n.target is aten.dropout.default and n.args[2] for n in nodes):
         return None
     sdpa = [n for n in nodes if n.target is aten.scaled_dot_product_attention.default]
-    if len(sdpa) != 1 or sdpa[0].args[3:] or sdpa[0].kwargs:
-        return None  # need_weights=True computes the weights explicitly; a mask or causal flag
-    heads = sdpa[0].meta["val"].shape[1]
+    softmax = [n for n in nodes if n.target is aten.softmax.int]
+    if len(sdpa) == 1 and not sdpa[0].args[3 + bool(masks):] and not sdpa[0].kwargs:
+        heads, need_weights = sdpa[0].meta["val"].shape[1], False
+    elif not sdpa and len(softmax) == 1:  # need_weights=True (the default), the weights unused: eager's kernel computes them
+        heads, need_weights = softmax[0].meta["val"].shape[0] // val.shape[0], True
+    else:
+        return None  # another mask or a causal flag
     if not isinstance(heads, int) or heads % 2:
         return None
     embed_dim = attr_of(gm, weights[0].target).shape[1]
-    return src, outputs[0], (embed_dim, heads, *weights, None, False, True, None)
+    return src, outputs[0], (embed_dim, heads, *weights), masks[0] if masks else None, need_weights
 
 
 def _fuse_attention(gm: GraphModule) -> bool:
@@ -161,9 +170,19 @@ def _fuse_attention(gm: GraphModule) -> bool:
         found = _attention_args(gm, path, nodes)
         if found is None:
             continue
-        src, out, args = found
-        with gm.graph.inserting_after(out):
-            fused = gm.graph.call_function(MHA, (src, src, src, *args))
+        src, out, args, mask, need_weights = found
+        last = out
+        if mask is not None:  # as MultiheadAttention.forward canonicalizes it: 0, or -inf where padded
+            with gm.graph.inserting_after(out):
+                zeros = gm.graph.call_function(aten.zeros_like.default, (mask,), {"dtype": src.meta["val"].dtype})
+            with gm.graph.inserting_after(zeros):
+                last = mask = gm.graph.call_function(aten.masked_fill.Scalar, (zeros, mask, float("-inf")))
+            for node in (zeros, mask):
+                node.meta.update(carried_meta(out, reason=f"{path}: the key padding mask, as eager's fused attention takes it"))
+                node.meta["val"] = recompute_val(node, fake_mode)
+        with gm.graph.inserting_after(last):
+            # average_attn_weights: MultiheadAttention's default; it shapes only the weights, which nothing reads.
+            fused = gm.graph.call_function(MHA, (src, src, src, *args, mask, need_weights, True, None if mask is None else 1))
         with gm.graph.inserting_after(fused):
             first = gm.graph.call_function(operator.getitem, (fused, 0))
         for node in (fused, first):
@@ -171,8 +190,8 @@ def _fuse_attention(gm: GraphModule) -> bool:
         try:
             fused.meta["val"] = recompute_val(fused, fake_mode)
         except Exception:  # no fake kernel: leave the module's ordinary ops
-            gm.graph.erase_node(first)
-            gm.graph.erase_node(fused)
+            for node in (first, fused, *((mask, mask.args[0]) if last is not out else ())):
+                gm.graph.erase_node(node)
             continue
         first.meta["val"] = fused.meta["val"][0]
         out.replace_all_uses_with(first)
