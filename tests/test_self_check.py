@@ -249,3 +249,35 @@ def test_outputs_of_a_type_without_key_paths_are_compared() -> None:
         assert graph_info(amp).self_check.ok and isinstance(amp(_x()), Out)
     finally:
         torch.utils._pytree._deregister_pytree_node(Out)
+
+
+class _PaddedEncoder(nn.Module):
+    """nn.TransformerEncoder with its default nested tensors and a padding mask: eager autocast runs
+    it with grad, and fails without ("expected scalar type Float but found BFloat16", torch 2.13)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x, src_key_padding_mask=padding)
+
+
+def test_where_eager_itself_fails_under_no_grad_the_no_grad_comparison_is_skipped_and_said():
+    # Before: convert raised eager's own RuntimeError from the self-check's no_grad comparison.
+    torch.manual_seed(0)
+    model = _PaddedEncoder().eval()
+    x, padding = torch.randn(2, 6, 16), torch.arange(6).expand(2, 6) >= torch.tensor([[6], [4]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        try:
+            model(x, padding)
+            pytest.skip("eager autocast runs this model under no_grad with this torch: nothing to skip")
+        except RuntimeError:
+            pass
+    with pytest.warns(graphamp.CheckSkippedWarning, match="fails on the example under torch.no_grad") as caught:
+        amp = graphamp.convert(model, (x, padding))
+    assert [w.message.reason for w in caught if isinstance(w.message, graphamp.CheckSkippedWarning)][0] == "error"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x, padding)
+    assert torch.equal(amp(x, padding), want)
