@@ -126,3 +126,33 @@ def test_a_layer_that_is_the_model_itself_is_fused(inference):
             want = model(x)
         got = amp(x)
     assert want.dtype is torch.bfloat16 and got.dtype is torch.bfloat16 and torch.equal(got, want)
+
+
+class _PaddedLayers(nn.Module):
+    def __init__(self, encoder: bool, float_mask: bool) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.layers = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False) if encoder else layer
+        self.float_mask = float_mask
+
+    def forward(self, x, padding):
+        return self.layers(x, src_key_padding_mask=padding.float() * -1e4 if self.float_mask else padding)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("encoder", [False, True], ids=["layer", "encoder"])
+@pytest.mark.parametrize("float_mask", [False, True], ids=["bool-mask", "float-mask"])
+def test_an_encoder_layer_with_a_key_padding_mask_takes_eagers_fused_kernel(dtype, encoder, float_mask):
+    # Eager's fast path takes the (canonicalized) key padding mask as mask type 1; nn.TransformerEncoder
+    # hands its layers a float one. Before: inference=True raised PolicyDriftError (fp32 output).
+    torch.manual_seed(0)
+    model = _PaddedLayers(encoder, float_mask).eval()
+    x = torch.randn(2, 6, 32)
+    amp = graphamp.convert(model, (x, _padding(2, 6)), dtype=dtype, inference=True)
+    assert len(fused_nodes(amp)) == (2 if encoder else 1)
+    for inp in (x, torch.randn(3, 5, 32)):
+        call = (inp, _padding(inp.shape[0], inp.shape[1]))
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+            want = model(*call)
+        got = amp(*call)
+        assert got.dtype == want.dtype and torch.equal(got, want)

@@ -11,7 +11,9 @@ this pass replaces each such layer's ops by the fused call under the layer's aut
 (:func:`graphamp.runtime.autocast_op`), so outputs are bitwise eager's and the kernel is eager's.
 
 A layer is replaced only where eager takes the fused path: eval (no dropout that trains),
-``batch_first``, one packed input projection, relu or gelu, no masks, an even head count, and the
+``batch_first``, one packed input projection, relu or gelu, no mask but a key padding mask (bool,
+or the float one ``nn.TransformerEncoder`` hands its layers; a batch equal to the sequence length
+is left alone, as it could be a square attention mask), an even head count, and the
 CPU policy (CUDA autocast turns the path off: the module checks ``torch.is_autocast_enabled()``).
 Anything else keeps the ordinary ops.
 
@@ -86,9 +88,10 @@ def _regions(gm: GraphModule, kind: str = _LAYER) -> dict[str, list[Node]]:
     return regions
 
 
-def _fused_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, Node, tuple] | None:
-    """(layer input, layer output, the fused op's arguments after ``src``), or None where eager
-    would not take the fused path or the region is not one layer call."""
+def _fused_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, Node, tuple, Node | None] | None:
+    """(layer input, layer output, the fused op's arguments after ``src`` with no mask, the bool
+    ``src_key_padding_mask`` or None), or None where eager would not take the fused path or the
+    region is not one layer call."""
     inside = set(nodes)
     params = {n.target: n for n in gm.graph.find_nodes(op="get_attr")}
     weights = [params.get(_join(path, name)) for name in _PARAMS]
@@ -97,12 +100,16 @@ def _fused_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, No
     # Size arithmetic (SymInts) is shared between layers; only tensors cross a layer's boundary.
     inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
     tensors = [a for a in inputs if a.op != "get_attr" and _is_tensor(a)]
+    masks = _padding_masks(tensors, floats=True)
+    tensors = [a for a in tensors if a not in masks]
     outputs = [n for n in nodes if _is_tensor(n) and any(u not in inside for u in n.users)]
-    if len(tensors) != 1 or len(outputs) != 1 or any(a.op == "get_attr" and a not in weights for a in inputs):
-        return None  # masks, or more than one layer call under one path
+    if len(tensors) != 1 or len(masks) > 1 or len(outputs) != 1 or any(a.op == "get_attr" and a not in weights for a in inputs):
+        return None  # other masks, or more than one layer call under one path
     src = tensors[0]
     val = src.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 3 or not val.is_floating_point() or val.dtype is torch.float64:
+        return None
+    if masks and not _padding_shaped(masks[0], val):
         return None
     targets = {n.target for n in nodes}
     if any(n.target is aten.dropout.default and n.args[2] for n in nodes):
@@ -123,7 +130,34 @@ def _fused_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, No
     embed_dim = attr_of(gm, _join(path, "self_attn.in_proj_weight")).shape[1]
     w = weights
     args = (embed_dim, heads, w[0], w[1], w[2], w[3], use_gelu, norm_first, eps, w[4], w[5], w[6], w[7], w[8], w[9], w[10], w[11], None, None)
-    return src, outputs[0], args
+    return src, outputs[0], args, masks[0] if masks else None
+
+
+def _padding_masks(tensors: list[Node], *, floats: bool = False) -> list[Node]:
+    """The bool (batch, seq) inputs among ``tensors`` (with ``floats``, float ones too: an encoder
+    layer keeps its fast path with the float mask ``nn.TransformerEncoder`` hands it, attention does not)."""
+    return [a for a in tensors if a.meta["val"].dim() == 2 and (a.meta["val"].dtype is torch.bool or floats and a.meta["val"].is_floating_point())]
+
+
+def _padding_shaped(mask: Node, src: torch.Tensor) -> bool:
+    """Whether ``mask`` is (batch, seq) of a batch-first ``src``, and cannot be a (seq, seq)
+    attention mask: one whose batch is its length is left to the ordinary ops."""
+    batch, seq = src.shape[0], src.shape[1]
+    return tuple(mask.meta["val"].shape) == (batch, seq) and batch != seq
+
+
+def _canonical_mask(gm: GraphModule, mask: Node, like: Node, after: Node, reason: str) -> Node:
+    """``mask`` as the fast paths take it (``F._canonical_mask``): 0, or -inf where padded, in
+    ``like``'s dtype; inserted after ``after``."""
+    fake_mode = fake_mode_of(gm)
+    with gm.graph.inserting_after(after):
+        zeros = gm.graph.call_function(aten.zeros_like.default, (mask,), {"dtype": like.meta["val"].dtype})
+    with gm.graph.inserting_after(zeros):
+        filled = gm.graph.call_function(aten.masked_fill.Scalar, (zeros, mask, float("-inf")))
+    for node in (zeros, filled):
+        node.meta.update(carried_meta(after, reason=reason))
+        node.meta["val"] = recompute_val(node, fake_mode)
+    return filled
 
 
 def _attention_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, Node, tuple, Node | None, bool] | None:
@@ -137,8 +171,7 @@ def _attention_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node
         return None
     inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
     tensors = [a for a in inputs if a.op != "get_attr" and _is_tensor(a)]
-    # A bool key_padding_mask (B, S) keeps the fast path (a float one, or an attn_mask, does not).
-    masks = [a for a in tensors if a.meta["val"].dtype is torch.bool and a.meta["val"].dim() == 2]
+    masks = _padding_masks(tensors)
     tensors = [a for a in tensors if a not in masks]
     outputs = [n for n in nodes if _is_tensor(n) and any(u not in inside for u in n.users)]
     if len(tensors) != 1 or len(masks) > 1 or len(outputs) != 1 or any(a.op == "get_attr" and a not in weights for a in inputs):
@@ -146,6 +179,8 @@ def _attention_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node
     src = tensors[0]
     val = src.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 3 or val.dtype is not torch.float32:
+        return None
+    if masks and not _padding_shaped(masks[0], val):
         return None
     if any(n.target is aten.dropout.default and n.args[2] for n in nodes):
         return None
@@ -172,14 +207,8 @@ def _fuse_attention(gm: GraphModule) -> bool:
             continue
         src, out, args, mask, need_weights = found
         last = out
-        if mask is not None:  # as MultiheadAttention.forward canonicalizes it: 0, or -inf where padded
-            with gm.graph.inserting_after(out):
-                zeros = gm.graph.call_function(aten.zeros_like.default, (mask,), {"dtype": src.meta["val"].dtype})
-            with gm.graph.inserting_after(zeros):
-                last = mask = gm.graph.call_function(aten.masked_fill.Scalar, (zeros, mask, float("-inf")))
-            for node in (zeros, mask):
-                node.meta.update(carried_meta(out, reason=f"{path}: the key padding mask, as eager's fused attention takes it"))
-                node.meta["val"] = recompute_val(node, fake_mode)
+        if mask is not None:
+            last = mask = _canonical_mask(gm, mask, src, out, f"{path}: the key padding mask, as eager's fused attention takes it")
         with gm.graph.inserting_after(last):
             # average_attn_weights: MultiheadAttention's default; it shapes only the weights, which nothing reads.
             fused = gm.graph.call_function(MHA, (src, src, src, *args, mask, need_weights, True, None if mask is None else 1))
@@ -211,7 +240,7 @@ def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
     if not (spec.inference or spec.no_grad):
         # A graph kept for grad: eager's program is this one with grad; without grad it would be the
         # fused one, which the AmpModule converts on its first call without grad (AmpSpec.no_grad).
-        fused = any(_fused_args(gm, p, n) for p, n in _regions(gm).items()) or any(
+        fused = any(_fused_args(gm, p, n) is not None for p, n in _regions(gm).items()) or any(
             _attention_args(gm, p, n) for p, n in _regions(gm, _ATTENTION).items()
         )
         graph_info(gm).fused_without_grad = fused
@@ -223,8 +252,13 @@ def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
         found = _fused_args(gm, path, nodes)
         if found is None:
             continue
-        src, out, args = found
-        with gm.graph.inserting_after(out):
+        src, out, args, mask = found
+        last = out
+        if mask is not None:  # merge_masks: a key padding mask alone is mask type 1; a float one is taken as it is
+            if mask.meta["val"].dtype is torch.bool:
+                last = _canonical_mask(gm, mask, src, out, f"{path}: the key padding mask, as eager's fused layer takes it")
+            args = (*args[:-2], last if last is not out else mask, 1)
+        with gm.graph.inserting_after(last):
             if raised:
                 fused = gm.graph.call_function(FUSED, (src, *args))
             else:
@@ -258,7 +292,7 @@ def _fused_dtype(gm: GraphModule, src: torch.Tensor, args: tuple, autocast: tupl
     kernel casts inside, which fake propagation does not model."""
     with torch.no_grad():
         probe = torch.zeros(1, 2, args[0], device=src.device, dtype=src.dtype)
-        real = [attr_of(gm, a.target) if isinstance(a, Node) else a for a in args]
+        real = [attr_of(gm, a.target) if isinstance(a, Node) else a for a in args[:-2]] + [None, None]  # no mask on the probe
         return (FUSED(probe, *real) if autocast is None else autocast_op(FUSED, *autocast, probe, *real)).dtype
 
 
