@@ -89,9 +89,9 @@ def _regions(gm: GraphModule, kind: str = _LAYER) -> dict[str, list[Node]]:
 
 
 def _fused_args(gm: GraphModule, path: str, nodes: list[Node]) -> tuple[Node, Node, tuple, Node | None] | None:
-    """(layer input, layer output, the fused op's arguments after ``src`` with no mask, the bool
-    ``src_key_padding_mask`` or None), or None where eager would not take the fused path or the
-    region is not one layer call."""
+    """(layer input, layer output, the fused op's arguments after ``src`` with no mask, the
+    ``src_key_padding_mask`` (bool or float) or None), or None where eager would not take the fused
+    path or the region is not one layer call."""
     inside = set(nodes)
     params = {n.target: n for n in gm.graph.find_nodes(op="get_attr")}
     weights = [params.get(_join(path, name)) for name in _PARAMS]
