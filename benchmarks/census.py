@@ -91,6 +91,7 @@ CHECKS = ("convert_bf16", "convert_fp16", "grads_bf16", "batch", "backend", "inp
 # The checks that call the bf16 module convert_bf16 made (converted first when not asked for).
 NEEDS_AMP = ("batch", "inputs")
 DEFAULT_OUT = HERE / "results" / "census.jsonl"
+DEFAULT_TIMEOUT = 120.0  # seconds per model
 REPORTED_RULE = "named"
 
 
@@ -867,6 +868,14 @@ def header() -> dict[str, Any]:
     }
 
 
+def resumed_timeout(given: float | None, head: dict[str, Any] | None) -> float:
+    """The time limit per model: ``--timeout`` where given, else the one the file's header records
+    (a resumed run keeps its limit), else 120 s."""
+    if given is not None:
+        return given
+    return float((head or {}).get("timeout") or DEFAULT_TIMEOUT)
+
+
 def _git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10, check=False).stdout.strip() or None
@@ -1250,9 +1259,10 @@ def run_census(args: argparse.Namespace) -> None:
     selected = select(census_models.population(), args.only, args.shard, args.sample, args.seed)
     names = [n for n in selected if n not in done]
     checks = tuple(args.checks.split(","))
+    args.timeout = resumed_timeout(args.timeout, head)
     if not out.exists() or out.stat().st_size == 0:
         with open(out, "a") as f:
-            f.write(json.dumps(header()) + "\n")
+            f.write(json.dumps({**header(), "timeout": args.timeout}) + "\n")
     print(f"census: {len(names)} models to run ({len(done)} already in {out}), checks {','.join(checks)}, {args.jobs} job(s), {args.timeout:.0f} s each", flush=True)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     _run_models(dict.fromkeys(names, checks), args.timeout, args.jobs, threads, out)
@@ -1426,7 +1436,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--checks", default=",".join(CHECKS), help="comma-separated, from " + ",".join(CHECKS))
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / jobs)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per model (default %(default)s)")
+    p.add_argument("--timeout", type=float, help=f"seconds per model (default: the resumed file's, else {DEFAULT_TIMEOUT:.0f})")
     p.add_argument("--summary", metavar="FILE", help="only print the summary of a results file")
     p.add_argument("--merge", metavar="FILE", help="update --out with a re-run's results file (per check), then exit")
     p.add_argument("--markdown", action="store_true", help="the summary table as markdown")
@@ -1458,7 +1468,7 @@ def main(argv: list[str] | None = None) -> None:
         # for timm when first imported.
         census_models.enable_census_site()
         names = select(list(_plan(args)), args.only, args.shard, None, args.seed)
-        run_in_process({n: _plan(args)[n] for n in names}, Path(args.out), args.timeout)
+        run_in_process({n: _plan(args)[n] for n in names}, Path(args.out), resumed_timeout(args.timeout, None))
     elif args.list:
         print("\n".join(select(census_models.population(), args.only, args.shard, args.sample, args.seed)))
     else:

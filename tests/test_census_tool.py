@@ -255,6 +255,22 @@ def test_resume_refuses_a_results_file_of_another_commit(tmp_path: Path, monkeyp
         census.main(["--out", str(out)])
 
 
+def test_a_resumed_run_keeps_the_time_limit_its_header_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    monkeypatch.setattr(census, "_run_models", lambda plan, timeout, *a: seen.append(timeout))
+    monkeypatch.setattr(census.census_models, "population", lambda: [])
+    monkeypatch.setattr(census, "_git_commit", lambda: "aaa")
+    monkeypatch.setattr(census, "header", lambda: {"header": True, "graphamp_commit": "aaa"})
+    out = tmp_path / "census.jsonl"
+    census.main(["--out", str(out), "--timeout", "900"])
+    assert json.loads(out.read_text().splitlines()[0])["timeout"] == 900
+    monkeypatch.setattr(census, "check_resumable", lambda *a: None)
+    census.main(["--out", str(out), "--resume"])
+    census.main(["--out", str(out), "--resume", "--timeout", "60"])
+    assert seen == [900, 900, 60]
+    assert census.resumed_timeout(None, {"graphamp_commit": "aaa"}) == census.DEFAULT_TIMEOUT
+
+
 def test_resume_refuses_a_results_file_of_another_machine_class(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Eager autocast's CPU kernels differ between AVX2 and avx512_bf16 machines: a run resumed on
     # another class would mix two machines in one table.
