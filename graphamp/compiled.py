@@ -46,6 +46,7 @@ from graphamp.model_state import Versions
 from graphamp.node_info import GRAPHAMP, GraphInfo, graph_info, peek_graph_info
 from graphamp.errors import CompileError, CompileFallbackWarning, GraphampError, InputMismatchError, InputShapeError, InputValueError, ModelChangedError
 from graphamp.runtime import compiled_guards, restored_on_refusal
+from graphamp.passes.fuse_encoder_layers import opaque_fused_layers
 from graphamp.shared_state import compile_scoped
 from graphamp.spec import autocast_off
 from graphamp.eager import autocast_call, outcome, state_restored
@@ -333,12 +334,7 @@ class CompiledAmpModule(nn.Module):
         return new
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+_nothing = contextlib.nullcontext
 
 
 _COUNTER = itertools.count()
@@ -364,6 +360,7 @@ def flat_program(amp: AmpModule) -> GraphModule:
     graph = torch.fx.Graph()
     output, old_output = graph.graph_copy(amp.graph, {}, return_output_node=True)
     graph.output(output, type_expr=getattr(old_output, "type", None)).meta = copy.copy(old_output.meta)
+    opaque_fused_layers(graph)
     program = GraphModule(amp, graph, class_name="GraphampFlatProgram")
     # Not the copies GraphModule makes of the attributes the graph reads: the converted module's own.
     for name in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):

@@ -240,7 +240,7 @@ def _differs(now: torch.Tensor, before: torch.Tensor) -> bool:
         return True
 
 
-def fresh_tensor(t: torch.Tensor, storages: dict[Any, torch.UntypedStorage]) -> torch.Tensor:
+def fresh_tensor(t: torch.Tensor, storages: dict[Any, Any]) -> torch.Tensor:
     """``t`` on a copy of its storage, so a run of the model cannot write the caller's tensor (code
     may write its inputs in place: ``x.mul_(2)``, ``hidden_states[mask] += y``); tensors that share
     a storage share the copy (a view and its base stay aliased). Parameters, leaves that require grad
@@ -251,8 +251,14 @@ def fresh_tensor(t: torch.Tensor, storages: dict[Any, torch.UntypedStorage]) -> 
         or t.layout is not torch.strided or t.is_quantized or t.is_nested
     ):
         return t
+    # One tensor passed twice stays one tensor: code branches on identity (nn.MultiheadAttention
+    # takes its fused self-attention path only where query is key is value).
+    same = ("tensor", id(t))
+    if same in storages:
+        return storages[same]
     if t.is_conj() or t.is_neg():  # a lazy conjugate or negation is a bit of the view, not of its storage
-        return t.clone()
+        storages[same] = t.clone()
+        return storages[same]
     storage = t.untyped_storage()
     key = (storage.data_ptr(), storage.nbytes(), t.device) if storage.nbytes() else id(t)
     if key not in storages:
@@ -260,7 +266,8 @@ def fresh_tensor(t: torch.Tensor, storages: dict[Any, torch.UntypedStorage]) -> 
     fresh = torch.empty((), dtype=t.dtype, device=t.device)
     with torch.no_grad():
         fresh.set_(storages[key], t.storage_offset(), t.size(), t.stride())
-    return fresh.requires_grad_(t.requires_grad)
+    storages[same] = fresh.requires_grad_(t.requires_grad)
+    return storages[same]
 
 
 def inputs_copied(inputs: Any) -> Any:
@@ -272,7 +279,7 @@ def inputs_copied(inputs: Any) -> Any:
     >>> _ = y.add_(1)
     >>> assert torch.equal(x, torch.zeros(3))
     """
-    storages: dict[Any, torch.UntypedStorage] = {}
+    storages: dict[Any, Any] = {}
     return pytree.tree_map_only(torch.Tensor, lambda t: fresh_tensor(t, storages), inputs)
 
 

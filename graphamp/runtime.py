@@ -43,7 +43,8 @@ from graphamp.errors import InputValueError
 # compile-time importers (capture, passes, compiled).
 from graphamp.runtime_autocast import (
     AutocastState, KeptFunction, KeptGraphFunction, PartialTemplate, Slot, apply_function, apply_graph_function,
-    autocast_op, autocast_state, current_autocast_state, fill, qualified_name,
+    FUSED_ENCODER_LAYER, autocast_op, autocast_state, current_autocast_state, encoder_layer_under_autocast, fill,
+    fused_layer_dtype, qualified_name,
 )
 from graphamp.runtime_guards import (
     COMPILED_REFUSAL, InputGuard, assert_condition, compiled_guards, guard_size, guard_value, size_condition_holds, traced,

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 __all__ = [
     "AutocastState",
@@ -37,6 +38,7 @@ __all__ = [
     "autocast_op",
     "autocast_state",
     "current_autocast_state",
+    "encoder_layer_under_autocast",
     "fill",
     "qualified_name",
 ]
@@ -241,6 +243,46 @@ def autocast_op(op: Any, device_type: str, dtype: torch.dtype, *args: Any) -> An
     """
     with autocast_state([AutocastState(device_type, True, dtype)]):
         return op(*args)
+
+
+FUSED_ENCODER_LAYER = torch.ops.aten._transformer_encoder_layer_fwd.default
+
+
+def fused_layer_dtype(src: torch.Tensor, args: Sequence[Any], autocast: tuple[str, torch.dtype] | None) -> torch.dtype:
+    """The dtype eager's fused encoder layer returns for an input like ``src`` and the arguments
+    ``args`` after it (tensors real or fake; the last two, the mask, are left out), with
+    ``autocast`` ((device type, dtype)) on: found by running the kernel on a two-token probe of
+    zeros of the same dtypes, since under autocast it casts inside, which fake propagation does not
+    model."""
+    def zeros(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(tuple(int(n) for n in t.shape), dtype=t.dtype, device=t.device)
+
+    with unset_fake_temporarily(), torch.no_grad():
+        probe = torch.zeros(1, 2, int(args[0]), device=src.device, dtype=src.dtype)
+        real = [zeros(a) if isinstance(a, torch.Tensor) else a for a in args[:-2]] + [None, None]
+        return (FUSED_ENCODER_LAYER(probe, *real) if autocast is None else autocast_op(FUSED_ENCODER_LAYER, *autocast, probe, *real)).dtype
+
+
+@torch.library.custom_op("graphamp::encoder_layer_under_autocast", mutates_args=())
+def encoder_layer_under_autocast(
+    src: torch.Tensor, embed_dim: int, num_heads: int, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor,
+    proj_weight: torch.Tensor, proj_bias: torch.Tensor, use_gelu: bool, norm_first: bool, eps: float,
+    norm_weight_1: torch.Tensor, norm_bias_1: torch.Tensor, norm_weight_2: torch.Tensor, norm_bias_2: torch.Tensor,
+    ffn_weight_1: torch.Tensor, ffn_bias_1: torch.Tensor, ffn_weight_2: torch.Tensor, ffn_bias_2: torch.Tensor,
+    mask: torch.Tensor | None, mask_type: int | None, device_type: str, dtype: torch.dtype,
+) -> torch.Tensor:
+    """``_transformer_encoder_layer_fwd`` under ``device_type``'s autocast to ``dtype``
+    (:func:`autocast_op`), as one op that AOTAutograd and inductor keep whole: traced through, the
+    fused kernel would be recorded without the autocast it runs under, and run in fp32."""
+    args = (src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first, eps,
+            norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2, ffn_bias_2, mask, mask_type)
+    return autocast_op(FUSED_ENCODER_LAYER, device_type, dtype, *args)
+
+
+@encoder_layer_under_autocast.register_fake
+def _(src: torch.Tensor, embed_dim: int, *args: Any) -> torch.Tensor:
+    *layer, device_type, dtype = args
+    return torch.empty_like(src, dtype=fused_layer_dtype(src, (embed_dim, *layer), (device_type, dtype)))
 
 
 # Named by the stable path, where generated code imports them and saved files find them.

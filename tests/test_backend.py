@@ -373,24 +373,55 @@ def test_no_grad_region_is_a_grad_region_of_the_graph():
 
 # Fused inference kernels: eval-mode TransformerEncoder and MultiheadAttention.
 
-def test_transformer_encoder_inference_runs_the_composite_in_mixed_precision():
-    case = build_case("transformer_encoder", train=False)
-    (x,), _ = case.inputs
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_transformer_encoder_inference_runs_eager_fused_layer_under_autocast(dtype, mask):
+    # Eval, no grad: eager runs each layer's fused kernel whole, autocast casting inside it (a
+    # low-precision output), where the module's ordinary path gives fp32.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(3, 7, 32)
+    padded = torch.zeros(3, 7, dtype=torch.bool)
+    padded[0, 5:] = True
+    kwargs = {} if mask is None else {"src_key_padding_mask": padded if mask == "bool" else torch.zeros(3, 7).masked_fill(padded, float("-inf"))}
     seen = []
 
     def backend(gm, example_inputs):
-        seen.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
-        amp_gm = rewrite(gm, example_inputs, AmpSpec("cpu", torch.bfloat16, inference=True, target="aot"))
-        seen.append(amp_gm)
-        return graphamp_backend(gm, example_inputs, options=EAGER)
+        seen.append(rewrite(gm, example_inputs, AmpSpec("cpu", dtype, inference=True, target="aot")))
+        return graphamp_backend(gm, example_inputs, options={**EAGER, "dtype": dtype})
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the self-check compares with eager's fused run: no difference to warn of
+        with torch.no_grad():
+            out = torch.compile(model, backend=backend)(x, **kwargs)
+    fused = [n for n in seen[0].graph.nodes if n.target is torch.ops.graphamp.encoder_layer_under_autocast.default]
+    assert len(fused) == 2
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        expected = model(x, **kwargs)
+    assert expected.dtype == dtype  # eager's fused kernel
+    assert out.dtype == dtype and torch.equal(out, expected)
+
+
+def test_transformer_encoder_inference_behind_inductor_keeps_eager_fused_layer():
+    # AOTAutograd would trace the fused kernel without the autocast it runs under (fp32): the layer
+    # is one graphamp op that inductor calls whole.
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0).eval()
+    x = torch.randn(2, 5, 32)
     with torch.no_grad():
-        out = torch.compile(case.model, backend=backend)(x)
-    assert torch._transformer_encoder_layer_fwd in seen[0]  # dynamo took the fused fast path
-    amp_gm = seen[1]
-    linears = [n for n in amp_gm.graph.nodes if n.target is torch.ops.aten.linear.default]
-    assert linears and all(n.meta["val"].dtype == torch.bfloat16 for n in linears)
-    # Equal to eager autocast on the ordinary path (grad enabled, so no fast path).
+        out = torch.compile(model, backend="graphamp")(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(x)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+
+
+def test_transformer_encoder_with_grad_keeps_the_ordinary_path():
+    # With grad and weights that require it, eager takes the ordinary path, and so does dynamo.
+    case = build_case("transformer_encoder", train=False)
+    (x,), _ = case.inputs
+    out = compiled(case.model)(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = case.model(x)
     assert torch.equal(out, expected)

@@ -383,3 +383,15 @@ def test_the_eager_runs_arguments_are_copies_that_keep_their_aliasing():
     v.add_(1)  # the copy of the view writes the copy of the base, and nothing of the caller's
     assert torch.equal(b[1:3], v) and not torch.equal(b, base)
     assert p is param and kw["leaf"] is leaf  # parameters and leaves that require grad: as they are
+
+
+def test_the_reference_takes_eagers_fused_attention_where_the_call_does():
+    # Eval, no grad, self-attention: eager runs _native_multi_head_attention; dynamo traces the
+    # ordinary path. The reference run keeps query, key and value one tensor (a copy each would
+    # turn eager's fast path off), so the difference is named, not passed as equal.
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(3, 7, 32)
+    with pytest.warns(EagerPathWarning, match="MultiheadAttention"):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.compile(model, backend="graphamp", options={"inner": "eager"})(x, x, x, need_weights=False)

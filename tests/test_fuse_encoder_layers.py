@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -156,3 +157,18 @@ def test_an_encoder_layer_with_a_key_padding_mask_takes_eagers_fused_kernel(dtyp
             want = model(*call)
         got = amp(*call)
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_compiled_keeps_the_fused_layer_under_autocast(dtype):
+    # torch.compile traced autocast_op's kernel without the autocast it runs under (fp32 outputs),
+    # so compile=True fell back to the uncompiled module: the compiled program calls one graphamp op.
+    model, x = encoder(), torch.randn(3, 10, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", graphamp.CompileFallbackWarning)
+        cm = graphamp.convert(model, (x,), dtype=dtype, inference=True, compile=True)
+        got = cm(x)
+    assert cm.runs_compiled
+    want = eager(model, x, dtype)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got, want)  # inductor's code around the layers: the drift is measured

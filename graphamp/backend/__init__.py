@@ -109,7 +109,7 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
     check_rest = None
     exact = spec.mode == "exact"
     eager = (
-        eager_run(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled)
+        eager_run(frame, device_type=device_type, dtype=spec.dtype, cache_enabled=spec.config.cache_enabled, grad=not inference)
         if frame is not None and exact and (opts.self_check or not ambient) else None
     )
     if not ambient and exact:

@@ -5,11 +5,13 @@ Dynamo traces those modules' Python, so in inference its graph holds one fused c
 ``torch._transformer_encoder_layer_fwd`` or ``torch._native_multi_head_attention``, where
 ``torch.export`` (which never takes the fast path) holds the module's ordinary ops.
 
-* ``_transformer_encoder_layer_fwd`` is on no autocast list: eager CPU autocast runs it in fp32
-  and autocasts only the kernels it calls inside (attention in the low dtype, then a low-precision
-  residual stream), which no per-node policy can express, and compiled autocast runs it wholly in
-  fp32. graphamp runs its composite instead: the ops of the module's ordinary path, on which the
-  policy is bitwise what eager autocast gives with grad enabled.
+* ``_transformer_encoder_layer_fwd`` is on no autocast list: eager CPU autocast runs it whole
+  and autocasts only the kernels it calls inside (attention in the low dtype, then a
+  low-precision residual stream), which no per-node policy can express. Under the CPU policy
+  graphamp runs it as eager does, under autocast (:func:`graphamp.runtime.autocast_op`, as
+  ``convert(inference=True)`` does: graphamp/passes/fuse_encoder_layers.py). Eager CUDA autocast
+  never reaches it (the layer checks ``torch.is_autocast_enabled()``, CUDA's flag): under the CUDA
+  policy graphamp runs its composite, the ops of the module's ordinary path.
 * ``_native_multi_head_attention`` is on the CPU list (lower_precision_fp), so under the CPU policy
   it keeps eager's own decision. Eager CUDA autocast never reaches it (the module checks
   ``torch.is_autocast_enabled()``, CUDA's flag, and takes the ordinary path), so under the CUDA
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from graphamp.policy import Policy
 
-__all__ = ["composite_for", "native_multi_head_attention", "transformer_encoder_layer"]
+__all__ = ["composite_for", "native_multi_head_attention", "runs_under_autocast", "transformer_encoder_layer"]
 
 _ENCODER_LAYER = (torch._transformer_encoder_layer_fwd, torch.ops.aten._transformer_encoder_layer_fwd.default)
 _MHA = (torch._native_multi_head_attention, torch.ops.aten._native_multi_head_attention.default)
@@ -151,14 +153,22 @@ def transformer_encoder_layer(
 
 
 def composite_for(target: object, policy: Policy) -> Callable | None:
-    """The composite to run in place of the fused call ``target`` under ``policy``, or None to keep it.
+    """The composite to run in place of the fused call ``target`` under ``policy``, or None to keep it
+    (:func:`runs_under_autocast` says how).
 
     >>> from graphamp.policy import get_policy
-    >>> assert composite_for(torch._transformer_encoder_layer_fwd, get_policy("cpu", torch.bfloat16)) is transformer_encoder_layer
+    >>> assert composite_for(torch._transformer_encoder_layer_fwd, get_policy("cuda", torch.float16)) is transformer_encoder_layer
+    >>> assert composite_for(torch._transformer_encoder_layer_fwd, get_policy("cpu", torch.bfloat16)) is None
     >>> assert composite_for(torch._native_multi_head_attention, get_policy("cpu", torch.bfloat16)) is None
     """
-    if target in _ENCODER_LAYER:
+    if target in _ENCODER_LAYER and not runs_under_autocast(target, policy):
         return transformer_encoder_layer
     if target in _MHA and policy.category("_native_multi_head_attention") is None:
         return native_multi_head_attention
     return None
+
+
+def runs_under_autocast(target: object, policy: Policy) -> bool:
+    """Whether the fused call ``target`` runs whole under ``policy``'s autocast, as eager runs it:
+    the encoder layer under the CPU policy."""
+    return target in _ENCODER_LAYER and policy.device_type == "cpu"

@@ -231,7 +231,7 @@ def _fresh(value: Any, storages: dict[Any, torch.UntypedStorage]) -> Any:
 def _fresh_arguments(frame: Frame) -> tuple[tuple, dict[str, Any]]:
     """The frame's arguments for an eager run, copied where it could change them (the substitutes
     of :func:`eager_backward` are leaves that require grad: passed as they are)."""
-    storages: dict[Any, torch.UntypedStorage] = {}
+    storages: dict[Any, Any] = {}
     return pytree.tree_map(lambda v: _fresh(v, storages), (tuple(frame.args), dict(frame.kwargs)))
 
 
@@ -373,18 +373,37 @@ class EagerRun(NamedTuple):
     autocast_off_sites: frozenset[str] = frozenset()
 
 
-def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cache_enabled: bool = True) -> EagerRun | None:
+def eager_run(frame: Frame, *, device_type: str, dtype: torch.dtype | None, cache_enabled: bool = True, grad: bool = False) -> EagerRun | None:
     """Run the frame's code eagerly once, without grad, under autocast to ``dtype`` (None: without
     autocast), buffers, Python caches and random state restored after and the seed fixed; None
-    if it cannot run here."""
+    if it cannot run here. ``grad``: the result is the one eager gives with grad enabled (where
+    the modules' fused inference paths are off for weights that require grad)."""
     recorder = _RecordDtypeCalls(device_type if dtype is not None else None)
-    region = ambient_autocast(device_type, dtype, cache_enabled=cache_enabled) if dtype is not None else contextlib.nullcontext()
+
+    def region() -> contextlib.AbstractContextManager:
+        return ambient_autocast(device_type, dtype, cache_enabled=cache_enabled) if dtype is not None else contextlib.nullcontext()
+
     try:
-        result = run_frame(frame, region, recorder)
+        result = run_frame(frame, region(), recorder)
+        if _takes_fast_paths(frame):
+            # The recorder is a TorchFunctionMode, which turns torch.nn's fused inference paths off
+            # ("some Tensor argument has_torch_function"): the result is eager's from a run without it.
+            result = run_frame(frame, region(), torch.enable_grad() if grad else contextlib.nullcontext())
+            result = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, result)
     except Exception:  # advisory, as the attention probe: code that cannot run here is not judged
         return None
     off = frozenset(recorder.sites[False] - recorder.sites[True] - {""})
     return EagerRun(recorder.calls, result, off)
+
+
+# The modules whose forward picks a fused kernel in eval mode without grad, unless a torch
+# function mode is on (torch.overrides.has_torch_function).
+_FAST_PATH_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+
+def _takes_fast_paths(frame: Frame) -> bool:
+    """Whether the frame's code may reach a module that takes a fused inference path in eager."""
+    return any(isinstance(m, _FAST_PATH_MODULES) for top in _modules_reached(frame) for m in top.modules())
 
 
 def run_frame(frame: Frame, *regions: contextlib.AbstractContextManager, modules: list[nn.Module] | None = None) -> Any:

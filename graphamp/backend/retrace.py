@@ -17,7 +17,7 @@ from torch._ops import _get_dispatch_mode_pre_dispatch
 from torch.fx import GraphModule, Interpreter
 from torch.fx.experimental.proxy_tensor import make_fx, track_tensor_tree
 
-from graphamp.backend.fast_paths import composite_for
+from graphamp.backend.fast_paths import composite_for, runs_under_autocast
 from graphamp.backend.functorch_regions import (
     REGION_STARTS,
     KeptRegion,
@@ -131,10 +131,18 @@ class _Retracer(Interpreter):
             return self.keep_autograd_function(*args, **kwargs)
         if target is _CHECKPOINT:
             return self.checkpoint(*args)
+        if runs_under_autocast(target, self.policy):
+            return self.fused_under_autocast(args, kwargs)
         composite = composite_for(target, self.policy)
         if composite is not None:
             return composite(*args, **kwargs)
         return super().call_function(target, args, kwargs)
+
+    def fused_under_autocast(self, args: tuple, kwargs: dict) -> Any:
+        # The encoder layer's fused kernel, run whole under the policy's autocast as eager runs it
+        # (fast_paths.py): one op, which AOTAutograd and inductor keep whole.
+        layer = (*args, *kwargs.values())  # the layer passes them positionally, in the schema's order
+        return torch.ops.graphamp.encoder_layer_under_autocast(*layer, self.policy.device_type, self.policy.dtype)
 
     def checkpoint(self, body: GraphModule, *operands: Any) -> Any:
         # torch.utils.checkpoint, either mode: the region's ops are traced in place (graphamp's

@@ -26,9 +26,8 @@ node, and insert_casts casts its inputs as eager autocast does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import operator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import GraphModule, Node
@@ -37,15 +36,15 @@ from torch.fx.passes.infra.pass_base import PassResult
 from graphamp.passes.graph_edit import attr_of, carried_meta, fake_mode_of, next_node, recompute_val
 from graphamp.node_info import graph_info
 from graphamp.policy import Category, op_key
-from graphamp.runtime import autocast_op
+from graphamp.runtime import FUSED_ENCODER_LAYER, autocast_op, fused_layer_dtype
 
 if TYPE_CHECKING:
     from graphamp.spec import AmpSpec
 
-__all__ = ["fuse_encoder_layers", "fused_value"]
+__all__ = ["fuse_encoder_layers", "fused_value", "opaque_fused_layers"]
 
 aten = torch.ops.aten
-FUSED = aten._transformer_encoder_layer_fwd.default
+FUSED = FUSED_ENCODER_LAYER
 MHA = aten._native_multi_head_attention.default
 _LAYER = "TransformerEncoderLayer"
 _ATTENTION = "MultiheadAttention"
@@ -288,21 +287,27 @@ def fuse_encoder_layers(gm: GraphModule, spec: AmpSpec) -> PassResult:
 
 def _fused_dtype(gm: GraphModule, src: torch.Tensor, args: tuple, autocast: tuple[str, torch.dtype] | None) -> torch.dtype:
     """The fused kernel's output dtype on an input like ``src`` (with ``autocast``: (device type,
-    dtype) on): eager's, found on a two-token example with the real weights. Under autocast the
-    kernel casts inside, which fake propagation does not model."""
-    with torch.no_grad():
-        probe = torch.zeros(1, 2, args[0], device=src.device, dtype=src.dtype)
-        real = [attr_of(gm, a.target) if isinstance(a, Node) else a for a in args[:-2]] + [None, None]  # no mask on the probe
-        return (FUSED(probe, *real) if autocast is None else autocast_op(FUSED, *autocast, probe, *real)).dtype
+    dtype) on), for the graph's arguments ``args`` after ``src`` (:func:`fused_layer_dtype`)."""
+    return fused_layer_dtype(src, [attr_of(gm, a.target) if isinstance(a, Node) else a for a in args[:-2]] + [None, None], autocast)
+
+
+def opaque_fused_layers(graph: torch.fx.Graph) -> None:
+    """Make each fused layer run under autocast one op (``graphamp::encoder_layer_under_autocast``)
+    for a program torch.compile compiles: traced through, ``autocast_op``'s kernel would be recorded
+    without the autocast it runs under, and run in fp32."""
+    for node in graph.find_nodes(op="call_function", target=autocast_op):
+        op, device_type, dtype, *args = node.args
+        if op is FUSED:
+            node.target, node.args = torch.ops.graphamp.encoder_layer_under_autocast.default, (*args, device_type, dtype)
 
 
 def fused_value(node: Node, fake_mode: torch._subclasses.fake_tensor.FakeTensorMode) -> torch.Tensor:
     """``meta["val"]`` of a fused layer run under autocast (``autocast_op(FUSED, ...)``) after its
     input changed dtype (autotune raised the layer before it): the shape from fake propagation,
-    the dtype from eager's kernel (:func:`_fused_dtype`)."""
+    the dtype from eager's kernel (:func:`fused_layer_dtype`)."""
     val = recompute_val(node, fake_mode)
     _, device_type, dtype, src, *args = node.args
-    out = _fused_dtype(node.graph.owning_module, src.meta["val"], tuple(args), (device_type, dtype))  # real, not fake
+    out = fused_layer_dtype(src.meta["val"], [a.meta["val"] if isinstance(a, Node) else a for a in args[:-2]] + [None, None], (device_type, dtype))
     with fake_mode:
         return torch.empty_like(val, dtype=out)
 
