@@ -427,17 +427,51 @@ def test_transformer_encoder_with_grad_keeps_the_ordinary_path():
     assert torch.equal(out, expected)
 
 
-def test_multihead_attention_inference_keeps_cpu_policy():
+def _attention_calls():
+    x = torch.randn(3, 7, 32)
+    padded = torch.zeros(3, 7, dtype=torch.bool)
+    padded[0, 5:] = True
+    causal = torch.ones(7, 7, dtype=torch.bool).triu(1)
+    return x, {
+        "plain": lambda m: m(x, x, x, need_weights=False)[0],
+        "padding_mask": lambda m: m(x, x, x, key_padding_mask=padded, need_weights=False)[0],
+        "weights": lambda m: m(x, x, x, key_padding_mask=padded, average_attn_weights=False),
+        "attn_mask": lambda m: m(x, x, x, attn_mask=causal, need_weights=False)[0],
+        "both_masks": lambda m: m(x, x, x, attn_mask=causal, key_padding_mask=padded),
+        "float_mask": lambda m: m(x, x, x, attn_mask=torch.zeros(7, 7).masked_fill(causal, float("-inf")), need_weights=False)[0],
+        "cross": lambda m: m(x, x[:, :5], x[:, :5], need_weights=False)[0],
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("call", list(_attention_calls()[1]))
+@pytest.mark.parametrize("ambient", [True, False], ids=["inside_autocast", "outside"])
+def test_multihead_attention_inference_runs_eagers_fused_attention(dtype, call, ambient):
+    # Eval, no grad: eager's self-attention takes _native_multi_head_attention (bool masks only),
+    # where dynamo's trace takes the ordinary path (the module turns its fast path off while traced).
+    torch.manual_seed(0)
     model = nn.MultiheadAttention(32, 4, batch_first=True).eval()
-    x = torch.randn(2, 8, 32)
-    reference = torch.compile(model, backend="eager")
-    with torch.no_grad():
-        out = compiled(model)(x, x, x, need_weights=False)[0]
-        # Dynamo's own graph run under eager autocast is the reference for its (contiguous) layout.
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            expected = reference(x, x, x, need_weights=False)[0]
+    _, calls = _attention_calls()
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        expected = calls[call](model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", graphamp.EagerPathWarning)
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=ambient):
+            out = calls[call](compiled(model, dtype=dtype))
+    for got, want in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(expected)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # fully masked rows are NaN on both sides
+
+
+def test_multihead_attention_inference_behind_inductor_runs_eagers_fused_attention():
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    _, calls = _attention_calls()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = calls["padding_mask"](model)
+        out = calls["padding_mask"](torch.compile(model, backend="graphamp"))
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 # Inductor: few and small; each compile takes seconds.

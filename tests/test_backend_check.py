@@ -385,10 +385,12 @@ def test_the_eager_runs_arguments_are_copies_that_keep_their_aliasing():
     assert p is param and kw["leaf"] is leaf  # parameters and leaves that require grad: as they are
 
 
-def test_the_reference_takes_eagers_fused_attention_where_the_call_does():
-    # Eval, no grad, self-attention: eager runs _native_multi_head_attention; dynamo traces the
-    # ordinary path. The reference run keeps query, key and value one tensor (a copy each would
-    # turn eager's fast path off), so the difference is named, not passed as equal.
+def test_the_reference_takes_eagers_fused_attention_where_the_call_does(monkeypatch):
+    # Eval, no grad, self-attention: eager runs _native_multi_head_attention. With the backend's
+    # graph left on the ordinary path dynamo traced, the check must name the difference: its
+    # reference run keeps query, key and value one tensor (a copy each turned eager's fast path
+    # off) and runs without its TorchFunctionMode (which turned it off too).
+    monkeypatch.setattr(graphamp.backend, "follow_fused_attention", lambda gm: False)
     torch.manual_seed(0)
     model = nn.MultiheadAttention(32, 4, batch_first=True).eval()
     x = torch.randn(3, 7, 32)

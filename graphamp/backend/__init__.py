@@ -45,6 +45,7 @@ from graphamp.shared_state import capture_lock
 from graphamp.spec import AmpSpec, autocast_off, check_device, infer_device_type
 from graphamp.backend.options import BackendOptions
 from graphamp.backend.eager_dtypes import follow_eager_dtypes, graph_break_site
+from graphamp.backend.fast_paths import follow_fused_attention
 from graphamp.backend.eager_regions import follow_eager_regions
 from graphamp.backend.eager_check import check_outputs, matches_eager
 from graphamp.backend.observe import EagerRun, Frame, compiled_frame, eager_run, observe_eager_frame
@@ -105,6 +106,9 @@ def _compile(gm: GraphModule, example_inputs: Sequence[Any], opts: BackendOption
     inference = not torch.is_grad_enabled() and not _enables_grad(gm)
     spec = AmpSpec(device_type, resolve_dtype(opts.dtype, device_type), opts.mode, inference, opts.config or Config(), target="aot")
     ambient = torch.is_autocast_enabled(device_type)
+    if device_type == "cpu":
+        # eager CPU autocast runs nn.MultiheadAttention's fused kernel where tracing turned it off
+        follow_fused_attention(gm)
     frame = compiled_frame()
     check_rest = None
     exact = spec.mode == "exact"

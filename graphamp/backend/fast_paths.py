@@ -17,21 +17,31 @@ Dynamo traces those modules' Python, so in inference its graph holds one fused c
   ``torch.is_autocast_enabled()``, CUDA's flag, and takes the ordinary path), so under the CUDA
   policy graphamp runs the composite, as eager does.
 
+Dynamo traces ``nn.MultiheadAttention`` on its ordinary path where eager takes the fused one:
+the module turns its fast path off while tracing (``_is_make_fx_tracing``), and marks the
+output it returns then (a copy to contiguous, ``fast_path_blocked_by_tracing``).
+:func:`follow_fused_attention` puts eager's fused call back there, under the CPU policy.
+
 Each composite takes the fused op's arguments and computes what the module's ordinary path
 computes in eval mode (dropout is the identity there).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx import GraphModule, Node
 
 from graphamp.policy import Policy
 
-__all__ = ["composite_for", "native_multi_head_attention", "runs_under_autocast", "transformer_encoder_layer"]
+__all__ = [
+    "composite_for", "follow_fused_attention", "fused_self_attention", "native_multi_head_attention", "runs_under_autocast",
+    "transformer_encoder_layer",
+]
 
 _ENCODER_LAYER = (torch._transformer_encoder_layer_fwd, torch.ops.aten._transformer_encoder_layer_fwd.default)
 _MHA = (torch._native_multi_head_attention, torch.ops.aten._native_multi_head_attention.default)
@@ -172,3 +182,76 @@ def runs_under_autocast(target: object, policy: Policy) -> bool:
     """Whether the fused call ``target`` runs whole under ``policy``'s autocast, as eager runs it:
     the encoder layer under the CPU policy."""
     return target in _ENCODER_LAYER and policy.device_type == "cpu"
+
+
+def fused_self_attention(
+    x: Tensor, embed_dim: int, num_heads: int, qkv_weight: Tensor, qkv_bias: Tensor, proj_weight: Tensor,
+    proj_bias: Tensor, key_padding_mask: Tensor | None, need_weights: bool, attn_mask: Tensor | None,
+    average_attn_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """``nn.MultiheadAttention``'s fast path for batch-first self-attention on ``x`` (the masks as
+    the module canonicalizes them, merged as its ``merge_masks`` does), returned as the ordinary
+    path returns it (sequence first; no weights unless asked for).
+
+    >>> mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    >>> x = torch.randn(2, 3, 8)
+    >>> with torch.no_grad():
+    ...     out, _ = fused_self_attention(x, 8, 2, mha.in_proj_weight, mha.in_proj_bias, mha.out_proj.weight, mha.out_proj.bias, None, False, None, True)
+    ...     assert torch.equal(out.transpose(1, 0), mha(x, x, x, need_weights=False)[0])
+    """
+    mask, mask_type = key_padding_mask, None if key_padding_mask is None else 1
+    if attn_mask is not None:
+        batch, seq = x.shape[0], x.shape[1]
+        mask_type = 2
+        if attn_mask.dim() == 3:
+            mask = attn_mask.view(batch, -1, seq, seq)
+        else:
+            mask = attn_mask.view(1, 1, seq, seq).expand(batch, num_heads, -1, -1)
+        if key_padding_mask is not None:
+            mask = mask + key_padding_mask.view(batch, 1, 1, seq).expand(-1, num_heads, -1, -1)
+    out, weights = torch._native_multi_head_attention(
+        x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, need_weights,
+        average_attn_weights, mask_type,
+    )
+    return out.transpose(1, 0), weights if need_weights else None
+
+
+def follow_fused_attention(gm: GraphModule) -> bool:
+    """Call eager's fused attention where dynamo's graph holds the ordinary path that
+    ``nn.MultiheadAttention`` took only because it was traced (module docstring); returns whether
+    it changed the graph."""
+    changed = False
+    for node in list(gm.graph.find_nodes(op="call_function", target=F.multi_head_attention_forward)):
+        x = _blocked_self_attention(node)
+        if x is None:
+            continue
+        a, kw = node.args, node.kwargs
+        node.target = fused_self_attention
+        node.args = (
+            x, a[3], a[4], a[5], a[6], a[11], a[12], kw.get("key_padding_mask"), kw.get("need_weights", True),
+            kw.get("attn_mask"), kw.get("average_attn_weights", True),
+        )
+        node.kwargs = {}
+        changed = True
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _blocked_self_attention(node: Node) -> Node | None:
+    """The batch-first input of an ``F.multi_head_attention_forward`` call that
+    ``nn.MultiheadAttention`` made with its fast path blocked only by tracing (so self-attention,
+    any masks bool); else None."""
+    args, kwargs = node.args, node.kwargs
+    if len(args) != 13 or set(kwargs) - {"training", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal"}:
+        return None  # separate projection weights
+    query = args[0]
+    if not (isinstance(query, Node) and args[1] is query and args[2] is query):
+        return None
+    if not (query.op == "call_method" and query.target == "transpose" and tuple(query.args[1:]) == (1, 0)):
+        return None
+    first = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+    back = [u for f in first for u in f.users if u.op == "call_method" and u.target == "transpose" and tuple(u.args[1:]) == (1, 0)]
+    if len(back) != 1 or not any(u.op == "call_method" and u.target == "contiguous" for u in back[0].users):
+        return None  # no mark of a fast path blocked by tracing
+    return query.args[0]
