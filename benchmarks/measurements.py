@@ -133,6 +133,13 @@ CITED = (
           "`compile_autocast_freezing` overlap on every model, and `compile_pure_low`, whose precision no variant "
           "at autocast's accuracy can beat, timed 1.02 to 1.09 times `compile_autocast_freezing` on the three "
           "compiled-friendly models."),
+    Cited("bench-2026-12-02d-avx512bf16-infer-bf16.json", "Speed: inference, bf16 on an AMD EPYC with avx512_bf16, third run",
+          "a523f21",
+          "The bf16 inference comparison run a third time on the same machine class, at a commit where "
+          "`graphamp_compiled` on `nn.TransformerEncoder` runs compiled (before, its fused layers made inductor's "
+          "program return fp32, so it ran uncompiled), with the cores to itself (the census paused). graphamp's "
+          "fastest over the fastest alternative: BERT 0.89, the conv net 1.03, GPT-2 0.96, the encoder 0.96; "
+          "the p10-p90 ranges overlap on all four, as in the two runs above."),
     Cited("bench-2026-12-02b-avx512bf16-infer-fp16.json", "Speed: inference, fp16 on an AMD EPYC with avx512_bf16",
           "09a95a7",
           "The same comparison in fp16 on the same AMD EPYC, whose fp16 is emulated (eager fp16 autocast 5 to 65 "
@@ -375,7 +382,7 @@ CITED = (
 # docs/measurements.md's SPEED_BY_CLASS section, in this order.
 SPEED_FILES = {
     "xeon-amx": ("bench-2026-12-01b-amx-infer-bf16.json", "bench-2026-12-01-amx-train-bf16.json"),
-    "epyc-avx512-bf16": ("bench-2026-12-02c-avx512bf16-infer-bf16.json", "bench-2026-12-02-avx512bf16-train-bf16.json"),
+    "epyc-avx512-bf16": ("bench-2026-12-02d-avx512bf16-infer-bf16.json", "bench-2026-12-02-avx512bf16-train-bf16.json"),
     "epyc-avx2": ("bench-2026-11-29-avx2-infer-bf16.json", "bench-2026-12-01c-avx2-infer-bf16-gpt2-encoder.json",
                   "bench-2026-11-29-avx2-train-bf16.json", "bench-2026-11-29c-avx2-train-bf16-gpt2-bert.json"),
 }
