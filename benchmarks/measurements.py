@@ -140,6 +140,13 @@ CITED = (
           "program return fp32, so it ran uncompiled), with the cores to itself (the census paused). graphamp's "
           "fastest over the fastest alternative: BERT 0.89, the conv net 1.03, GPT-2 0.96, the encoder 0.96; "
           "the p10-p90 ranges overlap on all four, as in the two runs above."),
+    Cited("bench-2026-12-02e-avx512bf16-train-fp16.json", "Speed: training step, fp16 on an AMD EPYC with avx512_bf16",
+          "59cf158",
+          "Forward, backward and AdamW step in fp16 on the four bench models, every variant of the task, 5 rounds, "
+          "on the same AMD EPYC, whose fp16 is emulated (eager fp16 autocast 24 to 27 times slower than compiled "
+          "fp32 here), with the cores to itself (the census paused): compiled fp32 is the alternative to beat, and "
+          "graphamp's autotune, budget and TrainStep autotune variants raise the slow ops to fp32. graphamp's "
+          "fastest over `compile_fp32`: BERT 0.84, the conv net 1.00, GPT-2 0.84, the encoder 0.84."),
     Cited("bench-2026-12-02b-avx512bf16-infer-fp16.json", "Speed: inference, fp16 on an AMD EPYC with avx512_bf16",
           "09a95a7",
           "The same comparison in fp16 on the same AMD EPYC, whose fp16 is emulated (eager fp16 autocast 5 to 65 "
