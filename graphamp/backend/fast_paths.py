@@ -8,8 +8,9 @@ Dynamo traces those modules' Python, so in inference its graph holds one fused c
 * ``_transformer_encoder_layer_fwd`` is on no autocast list: eager CPU autocast runs it whole
   and autocasts only the kernels it calls inside (attention in the low dtype, then a
   low-precision residual stream), which no per-node policy can express. Under the CPU policy
-  graphamp runs it as eager does, under autocast (:func:`graphamp.runtime.autocast_op`, as
-  ``convert(inference=True)`` does: graphamp/passes/fuse_encoder_layers.py). Eager CUDA autocast
+  graphamp runs it as eager does, under autocast, as one op
+  (``graphamp::encoder_layer_under_autocast``, graphamp/runtime_autocast.py; ``convert(inference=True)``
+  does the same: graphamp/passes/fuse_encoder_layers.py). Eager CUDA autocast
   never reaches it (the layer checks ``torch.is_autocast_enabled()``, CUDA's flag): under the CUDA
   policy graphamp runs its composite, the ops of the module's ordinary path.
 * ``_native_multi_head_attention`` is on the CPU list (lower_precision_fp), so under the CPU policy

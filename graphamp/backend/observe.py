@@ -213,7 +213,7 @@ def _filled(cell: types.CellType) -> bool:
     return True
 
 
-def _fresh(value: Any, storages: dict[Any, torch.UntypedStorage]) -> Any:
+def _fresh(value: Any, storages: dict[Any, Any]) -> Any:
     """An argument the eager run may change, copied: a Hugging Face key/value cache grows when the
     frame runs, and dynamo's guards on it would then fail ("Guard failed on the same frame"); a
     tensor may be written in place (``hidden_states[mask] += x``), and the call that compiles the
